@@ -1,0 +1,1 @@
+"""ldm: the latent diffusion models and their weights (Stable Diffusion layout)."""

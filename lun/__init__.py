@@ -1,0 +1,1 @@
+"""lun: training infrastructure around the ldm models (config, data, callbacks, strategies)."""
