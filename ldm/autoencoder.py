@@ -1,0 +1,392 @@
+"""The KL-regularised autoencoder of Latent Diffusion (Rombach et al. 2022, arXiv:2112.10752, Sec. 3).
+
+Parameter names follow the original CompVis `ldm.modules.diffusionmodules.model` /
+`ldm.models.autoencoder` exactly (`encoder.down.N.block.M.conv1`, `decoder.up.N.upsample.conv`,
+`quant_conv`, ...), so the `first_stage_model.*` weights of every SD v1/v2 checkpoint load with
+`strict=True`. The VAE is frozen during diffusion training: there is no loss, discriminator or
+training step here.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ddconfig keys of the original configs. `attn_type` "vanilla-xformers" (commented out in the v2
+# config) only chose a faster kernel there; here both run on torch SDPA.
+REQUIRED_DDCONFIG_KEYS = frozenset(
+    ("z_channels", "resolution", "in_channels", "out_ch", "ch", "ch_mult", "num_res_blocks")
+)
+DDCONFIG_KEYS = REQUIRED_DDCONFIG_KEYS | {"double_z", "attn_resolutions", "dropout", "attn_type"}
+# What Encoder and Decoder both take (plus in_channels / out_ch respectively).
+SHARED_DDCONFIG_KEYS = (
+    "ch",
+    "ch_mult",
+    "num_res_blocks",
+    "attn_resolutions",
+    "dropout",
+    "resolution",
+    "z_channels",
+)
+ATTN_TYPES = ("vanilla", "vanilla-xformers")
+IDENTITY_LOSSES = (None, "torch.nn.Identity")
+
+
+def normalize(channels: int) -> nn.GroupNorm:
+    """GroupNorm(32) with the original eps (1e-6); widths must be multiples of 32."""
+    return nn.GroupNorm(num_groups=32, num_channels=channels, eps=1e-6, affine=True)
+
+
+class ResnetBlock(nn.Module):
+    """Pre-activation residual block (GroupNorm, SiLU, 3x3 conv) x2, 1x1 `nin_shortcut` on width change."""
+
+    def __init__(self, in_channels: int, out_channels: int, dropout: float = 0.0):
+        super().__init__()
+        self.norm1 = normalize(in_channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, padding=1)
+        self.norm2 = normalize(out_channels)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1)
+        if in_channels != out_channels:
+            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))  # (B, C_out, H, W)
+        h = self.conv2(self.dropout(F.silu(self.norm2(h))))  # (B, C_out, H, W)
+        shortcut = self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x
+        return shortcut + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over all H*W positions; q/k/v/proj_out are 1x1 convs as in the original."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.norm = normalize(channels)
+        self.q = nn.Conv2d(channels, channels, 1)
+        self.k = nn.Conv2d(channels, channels, 1)
+        self.v = nn.Conv2d(channels, channels, 1)
+        self.proj_out = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        normed = self.norm(x)
+
+        def tokens(conv: nn.Conv2d) -> torch.Tensor:
+            return conv(normed).reshape(b, 1, c, h * w).transpose(-1, -2)  # (B, 1, HW, C)
+
+        # softmax(q k^T / sqrt(C)) v - SDPA's default scale is the original's c**-0.5.
+        out = F.scaled_dot_product_attention(tokens(self.q), tokens(self.k), tokens(self.v))
+        out = out.transpose(-1, -2).reshape(b, c, h, w)  # (B, C, H, W)
+        return x + self.proj_out(out)
+
+
+class Downsample(nn.Module):
+    """Stride-2 3x3 conv after an asymmetric (right/bottom) zero pad, as the original."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1)))  # (B, C, H/2, W/2)
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x upsampling followed by a 3x3 conv."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))  # (B, C, 2H, 2W)
+
+
+class MidBlock(nn.Module):
+    """ResnetBlock -> AttnBlock -> ResnetBlock at the lowest resolution (`mid.block_1/attn_1/block_2`)."""
+
+    def __init__(self, channels: int, dropout: float):
+        super().__init__()
+        self.block_1 = ResnetBlock(channels, channels, dropout)
+        self.attn_1 = AttnBlock(channels)
+        self.block_2 = ResnetBlock(channels, channels, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_2(self.attn_1(self.block_1(x)))
+
+
+def _level(
+    in_channels: int, out_channels: int, num_blocks: int, with_attn: bool, dropout: float
+) -> nn.Module:
+    """One resolution level: `block` (ResnetBlocks) and `attn` (empty unless the level attends)."""
+    level = nn.Module()
+    level.block = nn.ModuleList(
+        ResnetBlock(in_channels if i == 0 else out_channels, out_channels, dropout)
+        for i in range(num_blocks)
+    )
+    level.attn = nn.ModuleList(
+        AttnBlock(out_channels) for _ in range(num_blocks if with_attn else 0)
+    )
+    return level
+
+
+def _run_level(level: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    for i, block in enumerate(level.block):
+        h = block(h)
+        if len(level.attn) > 0:
+            h = level.attn[i](h)
+    return h
+
+
+class Encoder(nn.Module):
+    """Image (B, in_channels, H, W) -> Gaussian moments (B, 2*z_channels, H/f, W/f), f = 2**(len(ch_mult)-1)."""
+
+    def __init__(
+        self,
+        *,
+        ch: int,
+        ch_mult: tuple[int, ...],
+        num_res_blocks: int,
+        attn_resolutions: tuple[int, ...],
+        dropout: float,
+        in_channels: int,
+        resolution: int,
+        z_channels: int,
+    ):
+        super().__init__()
+        self.conv_in = nn.Conv2d(in_channels, ch, 3, padding=1)
+        self.down = nn.ModuleList()
+        block_in, current_res = ch, resolution
+        for i, mult in enumerate(ch_mult):
+            level = _level(
+                block_in, ch * mult, num_res_blocks, current_res in attn_resolutions, dropout
+            )
+            block_in = ch * mult
+            if i != len(ch_mult) - 1:
+                level.downsample = Downsample(block_in)
+                current_res //= 2
+            self.down.append(level)
+        self.mid = MidBlock(block_in, dropout)
+        self.norm_out = normalize(block_in)
+        self.conv_out = nn.Conv2d(block_in, 2 * z_channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x)  # (B, ch, H, W)
+        for level in self.down:
+            h = _run_level(level, h)
+            if hasattr(level, "downsample"):
+                h = level.downsample(h)
+        h = self.mid(h)  # (B, ch*ch_mult[-1], H/f, W/f)
+        return self.conv_out(F.silu(self.norm_out(h)))  # (B, 2*z_channels, H/f, W/f)
+
+
+class Decoder(nn.Module):
+    """Latent (B, z_channels, h, w) -> image (B, out_ch, h*f, w*f); `up` is stored low-res last as the original."""
+
+    def __init__(
+        self,
+        *,
+        ch: int,
+        out_ch: int,
+        ch_mult: tuple[int, ...],
+        num_res_blocks: int,
+        attn_resolutions: tuple[int, ...],
+        dropout: float,
+        resolution: int,
+        z_channels: int,
+    ):
+        super().__init__()
+        block_in = ch * ch_mult[-1]
+        current_res = resolution // 2 ** (len(ch_mult) - 1)
+        self.conv_in = nn.Conv2d(z_channels, block_in, 3, padding=1)
+        self.mid = MidBlock(block_in, dropout)
+        # Built from the lowest resolution up, but indexed like the encoder (up.0 = full
+        # resolution): the original inserts each level at the front of the list.
+        levels = []
+        for i in reversed(range(len(ch_mult))):
+            level = _level(
+                block_in,
+                ch * ch_mult[i],
+                num_res_blocks + 1,
+                current_res in attn_resolutions,
+                dropout,
+            )
+            block_in = ch * ch_mult[i]
+            if i != 0:
+                level.upsample = Upsample(block_in)
+                current_res *= 2
+            levels.insert(0, level)
+        self.up = nn.ModuleList(levels)
+        self.norm_out = normalize(block_in)
+        self.conv_out = nn.Conv2d(block_in, out_ch, 3, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.mid(self.conv_in(z))  # (B, ch*ch_mult[-1], h, w)
+        for level in reversed(self.up):
+            h = _run_level(level, h)
+            if hasattr(level, "upsample"):
+                h = level.upsample(h)
+        return self.conv_out(F.silu(self.norm_out(h)))  # (B, out_ch, h*f, w*f)
+
+
+class DiagonalGaussianDistribution:
+    """The VAE posterior q(z|x) = N(mean, diag(exp(logvar))) from stacked moments (B, 2*C, h, w)."""
+
+    def __init__(self, parameters: torch.Tensor):
+        self.mean, logvar = torch.chunk(parameters, 2, dim=1)  # (B, C, h, w) each
+        # Same clamp as the original: keeps exp() finite for an untrained or fp16 encoder.
+        self.logvar = torch.clamp(logvar, -30.0, 20.0)
+        self.std = torch.exp(0.5 * self.logvar)
+
+    def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Reparameterised draw mean + std * eps; pass a generator on the tensor's device to seed it."""
+        noise = torch.randn(
+            self.mean.shape, generator=generator, device=self.mean.device, dtype=self.mean.dtype
+        )
+        return self.mean + self.std * noise
+
+    def mode(self) -> torch.Tensor:
+        return self.mean
+
+
+class AutoencoderKL(nn.Module):
+    """The SD first stage: images in [-1, 1] <-> latents (before `scale_factor`).
+
+    Args:
+        ddconfig: the original encoder/decoder config: `ch` (base width, a multiple of 32),
+            `ch_mult` (width multiplier per level; the latent is 2**(len-1) times smaller),
+            `num_res_blocks`, `attn_resolutions` (resolutions, counted from `resolution`, whose
+            levels attend; [] in SD), `dropout`, `in_channels`, `out_ch`, `resolution`,
+            `z_channels`, `double_z` (must be true: mean and log-variance), `attn_type`.
+        embed_dim: latent channels after `quant_conv` (4 in SD).
+        lossconfig: only `torch.nn.Identity` (or None): the VAE is not trained here.
+        ckpt_path: optional weights file (`.safetensors` / `.ckpt`) holding this VAE, bare or
+            under `first_stage_model.`, e.g. a fine-tuned VAE swapped into a model.
+        ignore_keys: key prefixes dropped from `ckpt_path` before loading.
+        monitor, image_key: accepted from the original configs; unused (no VAE training).
+    """
+
+    def __init__(
+        self,
+        ddconfig: dict,
+        embed_dim: int,
+        lossconfig: dict | None = None,
+        ckpt_path: str | None = None,
+        ignore_keys: tuple[str, ...] = (),
+        monitor: str | None = None,
+        image_key: str = "image",
+    ):
+        super().__init__()
+        ddconfig = _checked_ddconfig(ddconfig)
+        loss_target = None if lossconfig is None else lossconfig.get("target")
+        if loss_target not in IDENTITY_LOSSES:
+            raise ValueError(
+                f"first_stage_config.params.lossconfig.target: '{loss_target}' is not supported; "
+                "lun-diffusion keeps the VAE frozen, so only torch.nn.Identity (or no lossconfig)"
+            )
+        z_channels = ddconfig["z_channels"]
+        shared = {k: ddconfig[k] for k in SHARED_DDCONFIG_KEYS}
+        self.encoder = Encoder(in_channels=ddconfig["in_channels"], **shared)
+        self.decoder = Decoder(out_ch=ddconfig["out_ch"], **shared)
+        self.quant_conv = nn.Conv2d(2 * z_channels, 2 * embed_dim, 1)
+        self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
+        self.embed_dim = embed_dim
+        self.monitor = monitor
+        self.image_key = image_key
+        if ckpt_path is not None:
+            self.init_from_ckpt(ckpt_path, ignore_keys)
+
+    def init_from_ckpt(self, path: str, ignore_keys: tuple[str, ...] = ()) -> None:
+        """Load this VAE's weights (strict) from a VAE file or a full SD checkpoint."""
+        from ldm.checkpoint import load_file_state, state_dict_of  # the one safe loader
+
+        state = state_dict_of(load_file_state(path))
+        prefix = "first_stage_model."
+        if any(k.startswith(prefix) for k in state):
+            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+        own = self.state_dict()
+        # Files of the original VAE training also carry `loss.*` (LPIPS, discriminator) and
+        # EMA keys; only this module's names are taken, and every one of them must be there.
+        state = {
+            k: v
+            for k, v in state.items()
+            if k in own and not any(k.startswith(p) for p in ignore_keys)
+        }
+        missing = sorted(set(own) - set(state))
+        if missing:
+            raise KeyError(
+                f"{path}: not an AutoencoderKL checkpoint for this ddconfig; {len(missing)} keys "
+                f"missing, e.g. {missing[:3]}"
+            )
+        self.load_state_dict(state, strict=True)
+
+    def encode(self, x: torch.Tensor) -> DiagonalGaussianDistribution:
+        moments = self.quant_conv(self.encoder(x))  # (B, 2*embed_dim, H/f, W/f)
+        return DiagonalGaussianDistribution(moments)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.post_quant_conv(z))  # (B, out_ch, h*f, w*f)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        sample_posterior: bool = True,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, DiagonalGaussianDistribution]:
+        """Reconstruction (B, C, H, W) and the posterior, as the original forward."""
+        posterior = self.encode(x)
+        z = posterior.sample(generator) if sample_posterior else posterior.mode()
+        return self.decode(z), posterior
+
+
+def _checked_ddconfig(ddconfig) -> dict:
+    """Refuse unknown or unsupported ddconfig values with the key's name, not a deep TypeError."""
+    ddconfig = dict(ddconfig)
+    unknown = sorted(set(ddconfig) - DDCONFIG_KEYS)
+    if unknown:
+        raise ValueError(
+            f"first_stage_config.params.ddconfig: unknown keys {unknown}; "
+            f"expected some of {sorted(DDCONFIG_KEYS)}"
+        )
+    missing = sorted(REQUIRED_DDCONFIG_KEYS - set(ddconfig))
+    if missing:
+        raise ValueError(f"first_stage_config.params.ddconfig: missing keys {missing}")
+    if not ddconfig.get("double_z", True):
+        raise ValueError("first_stage_config.params.ddconfig.double_z must be true for a KL VAE")
+    if ddconfig.get("attn_type", "vanilla") not in ATTN_TYPES:
+        raise ValueError(
+            f"first_stage_config.params.ddconfig.attn_type: '{ddconfig['attn_type']}' is not "
+            f"supported; use one of {ATTN_TYPES}"
+        )
+    if ddconfig["ch"] % 32:
+        raise ValueError(
+            f"first_stage_config.params.ddconfig.ch={ddconfig['ch']}: must be a multiple of 32 "
+            "(GroupNorm with 32 groups)"
+        )
+    ddconfig["ch_mult"] = tuple(ddconfig["ch_mult"])
+    ddconfig["attn_resolutions"] = tuple(ddconfig.get("attn_resolutions", ()))
+    ddconfig.setdefault("dropout", 0.0)
+    return ddconfig
+
+
+class PassThroughLatent:
+    """The 'posterior' of IdentityFirstStage: sample() and mode() both return the input."""
+
+    def __init__(self, x: torch.Tensor):
+        self.mean = x
+
+    def sample(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.mean
+
+    def mode(self) -> torch.Tensor:
+        return self.mean
+
+
+class IdentityFirstStage(nn.Module):
+    """No autoencoder: diffusion runs in pixel space (tiny demos and tests). No parameters."""
+
+    def encode(self, x: torch.Tensor) -> PassThroughLatent:
+        return PassThroughLatent(x)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return z
