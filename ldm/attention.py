@@ -1,0 +1,221 @@
+"""Cross-attention transformer of the Stable Diffusion UNet (CompVis parameter names).
+
+SpatialTransformer -> BasicTransformerBlock -> CrossAttention / FeedForward, as in the original
+`ldm.modules.attention`, so checkpoint keys such as
+`input_blocks.1.1.transformer_blocks.0.attn2.to_k.weight` line up exactly. Attention itself runs
+on `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels where the
+device has them); xformers is an optional backend.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ATTENTION_BACKENDS = ("sdpa", "xformers")
+
+
+def _xformers_ops():
+    """Import `xformers.ops` on first use; it is optional and absent on CPU-only installs."""
+    try:
+        import xformers.ops
+    except ImportError as err:
+        raise ImportError(
+            "attention_backend='xformers' needs the xformers package: `pip install xformers` "
+            "(or use attention_backend='sdpa', PyTorch's built-in fused attention)"
+        ) from err
+    return xformers.ops
+
+
+def check_attention_backend(backend: str) -> None:
+    """Fail at model construction, not at the first training step, for a bad or missing backend."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "xformers":
+        _xformers_ops()
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: int,
+    backend: str = "sdpa",
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Multi-head softmax(q k^T / sqrt(d)) v (Vaswani et al. 2017, eq. 1).
+
+    q (B, N, heads * d), k and v (B, M, heads * d) -> (B, N, heads * d).
+    `upcast` computes the attention in float32 with autocast off, as Stable Diffusion 2's
+    `_ATTN_PRECISION = "fp32"` does, because fp16 logits overflow in the 768px v-model.
+    """
+    dtype = q.dtype
+    if upcast and dtype != torch.float32:
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            out = attention(q.float(), k.float(), v.float(), heads, backend)
+        return out.to(dtype)
+    batch, n_queries, inner = q.shape
+    dim_head = inner // heads
+    if backend == "xformers":
+        # xformers takes (B, N, heads, d) directly: both views are free.
+        split = (batch, -1, heads, dim_head)
+        out = _xformers_ops().memory_efficient_attention(
+            q.view(split), k.view(split), v.view(split)
+        )
+        return out.reshape(batch, n_queries, inner)
+    # SDPA wants (B, heads, N, d); the transposes are views, the kernels accept the strides.
+    q, k, v = (t.unflatten(-1, (heads, dim_head)).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, N, d)
+    return out.transpose(1, 2).reshape(batch, n_queries, inner)
+
+
+class CrossAttention(nn.Module):
+    """Multi-head attention of `x` over `context` (self-attention when context is None).
+
+    Args:
+        query_dim: channels of x.
+        context_dim: channels of the context (text embedding width); None = query_dim.
+        heads: number of heads.
+        dim_head: channels per head.
+        dropout: dropout after the output projection.
+        backend: "sdpa" (PyTorch) or "xformers".
+        upcast: compute attention in float32 (fp16 stability).
+    """
+
+    def __init__(
+        self,
+        query_dim: int,
+        context_dim: int | None = None,
+        heads: int = 8,
+        dim_head: int = 64,
+        dropout: float = 0.0,
+        backend: str = "sdpa",
+        upcast: bool = False,
+    ):
+        super().__init__()
+        check_attention_backend(backend)
+        inner_dim = heads * dim_head
+        context_dim = query_dim if context_dim is None else context_dim
+        self.heads = heads
+        self.backend = backend
+        self.upcast = upcast
+        self.to_q = nn.Linear(query_dim, inner_dim, bias=False)
+        self.to_k = nn.Linear(context_dim, inner_dim, bias=False)
+        self.to_v = nn.Linear(context_dim, inner_dim, bias=False)
+        self.to_out = nn.Sequential(nn.Linear(inner_dim, query_dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        context = x if context is None else context  # (B, M, context_dim)
+        q = self.to_q(x)  # (B, N, inner)
+        k = self.to_k(context)  # (B, M, inner)
+        v = self.to_v(context)  # (B, M, inner)
+        out = attention(q, k, v, self.heads, self.backend, self.upcast)  # (B, N, inner)
+        return self.to_out(out)  # (B, N, query_dim)
+
+
+class GEGLU(nn.Module):
+    """Gated GELU projection (Shazeer 2020, "GLU Variants Improve Transformer", eq. 5)."""
+
+    def __init__(self, dim_in: int, dim_out: int):
+        super().__init__()
+        self.proj = nn.Linear(dim_in, dim_out * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x, gate = self.proj(x).chunk(2, dim=-1)  # (B, N, dim_out) each
+        return x * F.gelu(gate)
+
+
+class FeedForward(nn.Module):
+    """GEGLU MLP with hidden width mult * dim (`net.0.proj` [2*mult*dim, dim], `net.2`)."""
+
+    def __init__(self, dim: int, mult: int = 4, dropout: float = 0.0):
+        super().__init__()
+        inner_dim = dim * mult
+        self.net = nn.Sequential(
+            GEGLU(dim, inner_dim), nn.Dropout(dropout), nn.Linear(inner_dim, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # (B, N, dim)
+
+
+class BasicTransformerBlock(nn.Module):
+    """Pre-norm transformer block: self-attention, cross-attention over the context, GEGLU MLP."""
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        dim_head: int,
+        context_dim: int | None = None,
+        dropout: float = 0.0,
+        backend: str = "sdpa",
+        upcast: bool = False,
+    ):
+        super().__init__()
+        self.attn1 = CrossAttention(dim, None, heads, dim_head, dropout, backend, upcast)
+        self.ff = FeedForward(dim, dropout=dropout)
+        self.attn2 = CrossAttention(dim, context_dim, heads, dim_head, dropout, backend, upcast)
+        self.norm1 = nn.LayerNorm(dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.norm3 = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        # Residual adds go in place into the fresh sublayer outputs: a linear layer does not need
+        # its output for backward, and each saved allocation is a page-faulting malloc on CPU.
+        x = self.attn1(self.norm1(x)).add_(x)  # (B, N, dim)
+        x = self.attn2(self.norm2(x), context).add_(x)  # (B, N, dim)
+        return self.ff(self.norm3(x)).add_(x)  # (B, N, dim)
+
+
+class SpatialTransformer(nn.Module):
+    """Transformer over the H*W positions of a feature map, conditioned on a context sequence.
+
+    Args:
+        in_channels: channels C of the feature map (also the transformer width inner = heads * d
+            must be what proj_in maps to).
+        heads, dim_head: attention heads and channels per head.
+        depth: number of BasicTransformerBlocks.
+        context_dim: width of the cross-attention context (None = self-attention only).
+        use_linear: proj_in / proj_out are Linear layers (SD 2) instead of 1x1 convs (SD 1).
+        backend, upcast: see CrossAttention.
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        heads: int,
+        dim_head: int,
+        depth: int = 1,
+        context_dim: int | None = None,
+        dropout: float = 0.0,
+        use_linear: bool = False,
+        backend: str = "sdpa",
+        upcast: bool = False,
+    ):
+        super().__init__()
+        inner_dim = heads * dim_head
+        self.use_linear = use_linear
+        self.norm = nn.GroupNorm(32, in_channels, eps=1e-6)
+        if use_linear:
+            self.proj_in = nn.Linear(in_channels, inner_dim)
+            self.proj_out = nn.Linear(inner_dim, in_channels)
+        else:
+            self.proj_in = nn.Conv2d(in_channels, inner_dim, 1)
+            self.proj_out = nn.Conv2d(inner_dim, in_channels, 1)
+        self.transformer_blocks = nn.ModuleList(
+            BasicTransformerBlock(inner_dim, heads, dim_head, context_dim, dropout, backend, upcast)
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        batch, _, height, width = x.shape
+        h = self.norm(x)  # (B, C, H, W)
+        # A 1x1 conv is a linear map over channels; applying it as one on the (B, H*W, C) layout
+        # lets SD 1 and SD 2 share a path and avoids a conv + permute copy.
+        h = h.permute(0, 2, 3, 1).reshape(batch, height * width, -1)  # (B, HW, C)
+        h = F.linear(h, self.proj_in.weight.flatten(1), self.proj_in.bias)  # (B, HW, inner)
+        for block in self.transformer_blocks:
+            h = block(h, context)  # (B, HW, inner)
+        h = F.linear(h, self.proj_out.weight.flatten(1), self.proj_out.bias)  # (B, HW, C)
+        h = h.view(batch, height, width, -1).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last
+        return h + x

@@ -1,0 +1,295 @@
+"""The Stable Diffusion UNet with the original CompVis `openaimodel.UNetModel` parameter names.
+
+Architecture of Rombach et al. 2022 ("High-Resolution Image Synthesis with Latent Diffusion
+Models", app. E), built on the ADM UNet of Dhariwal & Nichol 2021: ResBlocks with a timestep
+embedding, SpatialTransformers (cross-attention to the text context) at the resolutions listed
+in `attention_resolutions`, skip connections from each input block to its mirrored output block.
+A model built from the original `unet_config` has exactly the original state-dict keys
+(`time_embed.0`, `input_blocks.1.0.in_layers.0`, `middle_block.1.proj_in`, `out.2`, ...).
+"""
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ldm.attention import SpatialTransformer, check_attention_backend
+
+
+def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0):
+    """Sinusoidal embedding of (possibly fractional) timesteps, (B,) -> (B, dim), float32.
+
+    Transformer positional encoding (Vaswani et al. 2017, sec. 3.5) with the original's layout:
+    [cos | sin], frequencies max_period^(-i / half) for i < half (diffusers: flip_sin_to_cos=True,
+    downscale_freq_shift=0).
+    """
+    half = dim // 2
+    exponent = torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
+    freqs = torch.exp(-math.log(max_period) * exponent)  # (half,)
+    args = timesteps[:, None].float() * freqs[None]  # (B, half)
+    embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (B, 2 * half)
+    if dim % 2:
+        embedding = F.pad(embedding, (0, 1))
+    return embedding
+
+
+def group_norm(channels: int) -> nn.GroupNorm:
+    """The original `normalization()`: GroupNorm with 32 groups.
+
+    The original's GroupNorm32 upcast the input to float32; PyTorch's group-norm kernels already
+    accumulate fp16 / bf16 inputs in float32, so the extra casts are left out.
+    """
+    return nn.GroupNorm(32, channels)
+
+
+class TimestepEmbedSequential(nn.Sequential):
+    """A Sequential that hands the timestep embedding to ResBlocks and the context to
+    SpatialTransformers."""
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor, context: torch.Tensor | None = None):
+        for layer in self:
+            if isinstance(layer, ResBlock):
+                x = layer(x, emb)
+            elif isinstance(layer, SpatialTransformer):
+                x = layer(x, context)
+            else:
+                x = layer(x)
+        return x  # (B, C', H', W')
+
+
+class ResBlock(nn.Module):
+    """Residual block (Ho et al. 2020 / ADM) with the timestep embedding added after the first conv.
+
+    in_layers = [GroupNorm, SiLU, Conv3x3], emb_layers = [SiLU, Linear],
+    out_layers = [GroupNorm, SiLU, Dropout, Conv3x3 (zero-initialised)], skip_connection =
+    Identity or a 1x1 conv when the channel count changes.
+    """
+
+    def __init__(self, channels: int, emb_channels: int, dropout: float, out_channels: int):
+        super().__init__()
+        self.in_layers = nn.Sequential(
+            group_norm(channels), nn.SiLU(), nn.Conv2d(channels, out_channels, 3, padding=1)
+        )
+        self.emb_layers = nn.Sequential(nn.SiLU(), nn.Linear(emb_channels, out_channels))
+        self.out_layers = nn.Sequential(
+            group_norm(out_channels),
+            nn.SiLU(),
+            nn.Dropout(dropout),
+            zero_init(nn.Conv2d(out_channels, out_channels, 3, padding=1)),
+        )
+        if out_channels == channels:
+            self.skip_connection = nn.Identity()
+        else:
+            self.skip_connection = nn.Conv2d(channels, out_channels, 1)
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        h = self.in_layers(x)  # (B, C_out, H, W)
+        # In-place: a conv does not keep its output for backward.
+        h.add_(self.emb_layers(emb)[:, :, None, None])
+        h = self.out_layers(h)  # (B, C_out, H, W)
+        return h.add_(self.skip_connection(x))
+
+
+class Downsample(nn.Module):
+    """Stride-2 3x3 conv (`op`)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.op = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x)  # (B, C, H / 2, W / 2)
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour 2x upsampling followed by a 3x3 conv (`conv`)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.interpolate(x, scale_factor=2.0, mode="nearest")  # (B, C, 2H, 2W)
+        return self.conv(x)
+
+
+def zero_init(module: nn.Module) -> nn.Module:
+    """Zero a layer's parameters so its residual branch starts as the identity (ADM)."""
+    for param in module.parameters():
+        nn.init.zeros_(param)
+    return module
+
+
+class UNetModel(nn.Module):
+    """Stable Diffusion v1 / v2 UNet; accepts the original `unet_config.params` unchanged.
+
+    Args:
+        image_size: accepted for config compatibility, unused (the UNet is size-agnostic).
+        in_channels: latent channels in (4 for SD).
+        out_channels: channels predicted (4: eps or v).
+        model_channels: base width (320 for SD).
+        attention_resolutions: downsampling factors (1, 2, 4, ...) whose blocks get a
+            SpatialTransformer ([4, 2, 1] for SD).
+        num_res_blocks: ResBlocks per level on the way down (one more on the way up).
+        channel_mult: width multiplier per level ([1, 2, 4, 4] for SD).
+        num_heads: attention heads per transformer (SD 1: 8); used when num_head_channels = -1.
+        num_head_channels: channels per head (SD 2: 64); heads = width // num_head_channels.
+        use_spatial_transformer: must be True (the text-conditioned UNet); accepted for configs.
+        use_linear_in_transformer: proj_in / proj_out are Linear (SD 2) instead of 1x1 convs.
+        transformer_depth: BasicTransformerBlocks per SpatialTransformer.
+        context_dim: width of the cross-attention context (768 for CLIP ViT-L, 1024 for OpenCLIP H).
+        use_checkpoint: gradient checkpointing of every UNet block while training (trades one
+            extra forward pass for activation memory).
+        use_fp16: accepted for config compatibility, unused: precision comes from the trainer
+            (Lightning `precision: 16-mixed / bf16-mixed`).
+        legacy: the original head-size rule (dim_head = width // heads); only differs when the
+            width is not a multiple of num_head_channels.
+        dropout: dropout in ResBlocks and attention.
+        attention_backend: "sdpa" (torch scaled_dot_product_attention) or "xformers".
+        upcast_attention: compute attention in float32 under mixed precision (SD 2.x 768 v-model).
+        num_classes: optional class conditioning (label_emb), passed as `y` to forward.
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        out_channels: int,
+        model_channels: int,
+        attention_resolutions: Sequence[int],
+        num_res_blocks: int,
+        channel_mult: Sequence[int],
+        num_heads: int = -1,
+        num_head_channels: int = -1,
+        use_spatial_transformer: bool = True,
+        use_linear_in_transformer: bool = False,
+        transformer_depth: int = 1,
+        context_dim: int | None = None,
+        use_checkpoint: bool = False,
+        use_fp16: bool = False,
+        legacy: bool = False,
+        dropout: float = 0.0,
+        attention_backend: str = "sdpa",
+        upcast_attention: bool = False,
+        num_classes: int | None = None,
+        image_size: int | None = None,
+    ):
+        super().__init__()
+        if not use_spatial_transformer:
+            raise ValueError(
+                "use_spatial_transformer=False (ADM self-attention UNet) is not supported"
+            )
+        if num_heads == -1 and num_head_channels == -1:
+            raise ValueError("set either num_heads or num_head_channels")
+        check_attention_backend(attention_backend)
+        self.model_channels = model_channels
+        self.num_classes = num_classes
+        self.use_checkpoint = use_checkpoint
+        time_embed_dim = model_channels * 4
+
+        def transformer(width: int) -> SpatialTransformer:
+            if num_head_channels == -1:
+                heads, dim_head = num_heads, width // num_heads
+            else:
+                heads, dim_head = width // num_head_channels, num_head_channels
+            if legacy:
+                dim_head = width // heads
+            return SpatialTransformer(
+                width,
+                heads,
+                dim_head,
+                depth=transformer_depth,
+                context_dim=context_dim,
+                dropout=dropout,
+                use_linear=use_linear_in_transformer,
+                backend=attention_backend,
+                upcast=upcast_attention,
+            )
+
+        self.time_embed = nn.Sequential(
+            nn.Linear(model_channels, time_embed_dim),
+            nn.SiLU(),
+            nn.Linear(time_embed_dim, time_embed_dim),
+        )
+        if num_classes is not None:
+            self.label_emb = nn.Embedding(num_classes, time_embed_dim)
+
+        self.input_blocks = nn.ModuleList(
+            [TimestepEmbedSequential(nn.Conv2d(in_channels, model_channels, 3, padding=1))]
+        )
+        skip_channels = [model_channels]
+        width, factor = model_channels, 1
+        for level, mult in enumerate(channel_mult):
+            for _ in range(num_res_blocks):
+                layers = [ResBlock(width, time_embed_dim, dropout, model_channels * mult)]
+                width = model_channels * mult
+                if factor in attention_resolutions:
+                    layers.append(transformer(width))
+                self.input_blocks.append(TimestepEmbedSequential(*layers))
+                skip_channels.append(width)
+            if level != len(channel_mult) - 1:
+                self.input_blocks.append(TimestepEmbedSequential(Downsample(width)))
+                skip_channels.append(width)
+                factor *= 2
+
+        self.middle_block = TimestepEmbedSequential(
+            ResBlock(width, time_embed_dim, dropout, width),
+            transformer(width),
+            ResBlock(width, time_embed_dim, dropout, width),
+        )
+
+        self.output_blocks = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(channel_mult))):
+            for i in range(num_res_blocks + 1):
+                skip = skip_channels.pop()
+                layers = [ResBlock(width + skip, time_embed_dim, dropout, model_channels * mult)]
+                width = model_channels * mult
+                if factor in attention_resolutions:
+                    layers.append(transformer(width))
+                if level and i == num_res_blocks:
+                    layers.append(Upsample(width))
+                    factor //= 2
+                self.output_blocks.append(TimestepEmbedSequential(*layers))
+
+        self.out = nn.Sequential(
+            group_norm(width),
+            nn.SiLU(),
+            zero_init(nn.Conv2d(model_channels, out_channels, 3, padding=1)),
+        )
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Turn gradient checkpointing of the UNet blocks on or off (training only)."""
+        self.use_checkpoint = enabled
+
+    def _run(self, block: TimestepEmbedSequential, h, emb, context):
+        if self.use_checkpoint and self.training and torch.is_grad_enabled():
+            return checkpoint(block, h, emb, context, use_reentrant=False)
+        return block(h, emb, context)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        timesteps: torch.Tensor,
+        context: torch.Tensor | None = None,
+        y: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given context (B, M, D)."""
+        if (y is not None) != (self.num_classes is not None):
+            raise ValueError("pass class labels y exactly when the model has num_classes")
+        t_emb = timestep_embedding(timesteps, self.model_channels)  # (B, model_channels)
+        emb = self.time_embed(t_emb)  # (B, 4 * model_channels)
+        if y is not None:
+            emb = emb + self.label_emb(y)
+        skips = []
+        h = x
+        for block in self.input_blocks:
+            h = self._run(block, h, emb, context)  # (B, C_level, H / f, W / f)
+            skips.append(h)
+        h = self._run(self.middle_block, h, emb, context)  # (B, C_max, H / f_max, W / f_max)
+        for block in self.output_blocks:
+            h = torch.cat([h, skips.pop()], dim=1)  # (B, C + C_skip, H / f, W / f)
+            h = self._run(block, h, emb, context)
+        return self.out(h)  # (B, out_channels, H, W)
