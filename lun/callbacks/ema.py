@@ -1,0 +1,377 @@
+"""Exponential moving average (EMA) of the trainable UNet weights, kept in CPU memory.
+
+Sampling from an EMA of the weights (Polyak & Juditsky 1992) gives visibly better images than the
+raw weights; every Stable Diffusion release was trained with one (`LitEma`, decay 0.9999). The
+original keeps the fp32 copy on the GPU - 3.4 GB for the SD UNet. Here it lives in (pinned) CPU
+memory: after an optimizer step the weights are copied device -> CPU on a side stream and folded
+into the average by a worker thread, while the accelerator already runs the next step. Nothing
+is allocated on the accelerator, and the device only waits for that copy before the *next*
+optimizer step overwrites the weights it is reading.
+
+Checkpoints carry the shadows in the original naming rule (`model_ema.` + parameter name without
+dots, plus `model_ema.decay` and `model_ema.num_updates`), so original tools and
+`ldm.checkpoint.load_weights(..., ema=True)` find them.
+
+Distributed: under DDP (and DeepSpeed ZeRO-1/2) every rank holds the full, identical weights after
+each optimizer step, so every rank keeps its own average and they never diverge; only rank 0
+writes checkpoints. Strategies that shard the weights (FSDP, ZeRO-3) would hand each rank a shard:
+`EMA._trainable_params` is the single place that reads the weights and where a gather (or a
+per-shard average) goes; until then they are refused with a clear message.
+"""
+
+import math
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key
+
+WARMUPS = ("none", "litema", "power")
+
+
+def find_ema(trainer) -> "EMA | None":
+    return next((cb for cb in trainer.callbacks if isinstance(cb, EMA)), None)
+
+
+@contextmanager
+def ema_weights(trainer, pl_module) -> Iterator[None]:
+    """Run a block with the EMA weights in `pl_module.model`, and the raw weights back after.
+
+    The one swap used by the image logger and validation (`EMA(validate_with_ema=True)`):
+
+        with ema_weights(trainer, pl_module):
+            images = pl_module.log_images(batch)
+
+    A no-op when the trainer has no EMA callback, before its first training step, or when the
+    EMA weights are already swapped in (so nested uses are safe). Outside training, for a saved
+    checkpoint, `ldm.checkpoint.load_weights(model, path, ema=True)` loads the same shadows.
+    """
+    ema = find_ema(trainer)
+    if ema is None or ema.shadows is None or ema.swapped:
+        yield
+        return
+    ema.swap_in(pl_module)
+    try:
+        yield
+    finally:
+        ema.swap_out()
+
+
+@contextmanager
+def swapped_weights(
+    params: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor],
+    stash: Mapping[str, torch.Tensor] | None = None,
+) -> Iterator[None]:
+    """Copy `weights[name]` into `params[name]` for the block; restore the originals after.
+
+    The originals wait in `stash` (CPU buffers shaped like `params`; made here when None), so
+    swapping costs no accelerator memory. Dtypes are converted on the CPU side.
+    """
+    if stash is None:
+        stash = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
+    with torch.no_grad():
+        for name, p in params.items():
+            stash[name].copy_(p, non_blocking=True)  # ordered before the copy below (same stream)
+            source = weights[name]
+            p.copy_(source if source.dtype == p.dtype else source.to(p.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(stash[name], non_blocking=True)
+
+
+class EMA(Callback):
+    """EMA of the trainable weights of `pl_module.model` (the UNet), in CPU memory.
+
+    Args:
+        decay: the average keeps `decay` of itself per optimizer step (0.9999 as in SD: a
+            horizon of ~10k steps). When updating every N steps the average keeps decay^N, so
+            the horizon in steps does not depend on N.
+        update_every: fold the weights in every this many optimizer steps (not micro-batches:
+            gradient accumulation does not change it). Larger values cost less CPU time.
+        warmup: how the decay starts, as a function of the update count n (steps):
+            "litema": min(decay, (1 + n) / (10 + n)) - the original LitEma (`use_num_upates`);
+            "power": min(decay, 1 - n^-warmup_power) - k-diffusion's `EMAWarmup` (inv_gamma 1);
+            power 2/3 reaches 0.999 at ~32k steps and 0.9999 at 1M, 3/4 at 10k and 215k;
+            "none": always `decay`.
+        warmup_power: exponent of the "power" warm-up.
+        validate_with_ema: run validation with the EMA weights swapped in (what you would
+            ship), so a monitored `val/loss` ranks EMA checkpoints.
+        async_update: fold the weights in on a worker thread while training goes on (the same
+            result, bit for bit); False does it inline.
+        pin_memory: page-locked CPU buffers (faster, asynchronous device -> CPU copies); only
+            used when the model is on an accelerator.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.9999,
+        update_every: int = 1,
+        warmup: str | None = "litema",
+        warmup_power: float = 2 / 3,
+        validate_with_ema: bool = True,
+        async_update: bool = True,
+        pin_memory: bool = True,
+    ):
+        warmup = warmup or "none"
+        if warmup not in WARMUPS:
+            raise ValueError(f"EMA warmup must be one of {', '.join(WARMUPS)}, got '{warmup}'")
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
+        if update_every < 1:
+            raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
+        self.decay, self.update_every = decay, update_every
+        self.warmup, self.warmup_power = warmup, warmup_power
+        self.validate_with_ema = validate_with_ema
+        self.async_update = async_update
+        self.pin_memory = pin_memory
+        self.shadows: dict[str, torch.Tensor] | None = None  # name -> fp32 CPU average
+        self._staging: dict[str, torch.Tensor] | None = None  # name -> CPU copy of the weights
+        self.num_updates = 0  # optimizer steps folded into the average
+        self._last_update_step: int | None = None
+        self._loaded: dict | None = None  # from a checkpoint, applied once the buffers exist
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+        self._copy_stream: torch.Stream | None = None
+        self._copy_done: torch.Event | None = None
+        self._swap: ExitStack | None = None
+
+    # --- the average -------------------------------------------------------------------------
+    def decay_at(self, n: int) -> float:
+        """Decay applied at the n-th optimizer step (n >= 1)."""
+        if self.warmup == "litema":
+            return min(self.decay, (1 + n) / (10 + n))
+        if self.warmup == "power":
+            return min(self.decay, 1 - n**-self.warmup_power)
+        return self.decay
+
+    def _trainable_params(self, pl_module) -> dict[str, torch.Tensor]:
+        """The full trainable weights of `pl_module.model` by name - the only place reading them.
+
+        Names are those of `LatentDiffusion.model` (`diffusion_model.input_blocks.0.0.weight`);
+        a `torch.compile` wrapper level (`_orig_mod.`) is dropped. A strategy that shards the
+        weights gathers them here (see the module docstring).
+        """
+        return {
+            name.replace("_orig_mod.", ""): p
+            for name, p in pl_module.model.named_parameters()
+            if p.requires_grad
+        }
+
+    @staticmethod
+    def _check_strategy(trainer) -> None:
+        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, FSDPStrategy | ModelParallelStrategy) or getattr(
+            strategy, "zero_stage_3", False
+        ):
+            raise ValueError(
+                f"EMA needs the full weights on every rank, but {type(strategy).__name__} shards them. "
+                "Use DDP or DeepSpeed stage 1/2 with EMA, or remove the EMA callback."
+            )
+
+    def _update(self, pl_module, step: int) -> None:
+        steps = step - self._last_update_step
+        # Keep the product of the per-step decays: the same weight the old average would have
+        # after `steps` single-step updates (decay^N for a constant decay).
+        keep = math.prod(self.decay_at(self.num_updates + k) for k in range(1, steps + 1))
+        self.num_updates += steps
+        self._last_update_step = step
+        self._finish()  # the staging buffers are free again
+        params = self._trainable_params(pl_module)
+        device = next(iter(params.values())).device
+        if device.type == "cpu":
+            for name, p in params.items():
+                self._staging[name].copy_(p.detach())
+        else:
+            # Side stream: the copy overlaps the next forward/backward; it starts after the
+            # optimizer step that produced these weights and must end before the next one
+            # (`on_before_optimizer_step` makes the device wait for `_copy_done`).
+            if self._copy_stream is None:
+                self._copy_stream = torch.Stream(device=device)
+            copy_stream = self._copy_stream
+            copy_stream.wait_stream(torch.accelerator.current_stream(device))
+            with copy_stream:
+                for name, p in params.items():
+                    self._staging[name].copy_(p.detach(), non_blocking=True)
+            self._copy_done = copy_stream.record_event()
+        if self._executor is not None:
+            self._pending = self._executor.submit(self._fold_in, 1.0 - keep, self._copy_done)
+        else:
+            self._fold_in(1.0 - keep, self._copy_done)
+
+    def _fold_in(self, weight: float, copy_done: torch.Event | None) -> None:
+        """shadow <- shadow + weight * (staging - shadow), on the CPU."""
+        if copy_done is not None:
+            copy_done.synchronize()
+        for name, shadow in self.shadows.items():
+            staged = self._staging[name]
+            shadow.lerp_(staged if staged.dtype == shadow.dtype else staged.float(), weight)
+
+    def _finish(self) -> None:
+        """Wait for the update in flight (re-raising its error); the shadows are then current."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+
+    # --- buffers and checkpoints -------------------------------------------------------------
+    def _allocate(self, pl_module) -> None:
+        params = self._trainable_params(pl_module)
+        if not params:
+            raise ValueError("EMA: pl_module.model has no trainable parameters")
+        device = next(iter(params.values())).device
+        pin = self.pin_memory and device.type != "cpu"
+        if self.shadows is None or self.shadows.keys() != params.keys():
+            self.shadows = {
+                n: torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                for n, p in params.items()
+            }
+            with torch.no_grad():
+                for name, p in params.items():
+                    self.shadows[name].copy_(p)
+            self.num_updates = 0
+        self._staging = {
+            n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in params.items()
+        }
+
+    def _apply_loaded(self) -> None:
+        loaded, self._loaded = self._loaded, None
+        by_key = {ema_key(name): name for name in self.shadows}
+        missing = sorted(set(by_key) - loaded["shadows"].keys())
+        unexpected = sorted(loaded["shadows"].keys() - set(by_key))
+        if missing or unexpected:
+            raise ValueError(
+                "EMA: the checkpoint's model_ema.* shadows do not match the trainable parameters: "
+                f"{len(missing)} missing (e.g. {missing[:2]}), {len(unexpected)} unexpected (e.g. {unexpected[:2]})"
+            )
+        for key, tensor in loaded["shadows"].items():
+            self.shadows[by_key[key]].copy_(tensor)
+        self.num_updates = loaded["num_updates"]
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if self.shadows is None:
+            return
+        self._finish()
+        state = checkpoint["state_dict"]
+        if self.swapped:
+            # Saved from inside an EMA block: the module's weights are the EMA; store the raw ones.
+            if pl_module.device.type != "cpu":
+                torch.accelerator.synchronize(pl_module.device)
+            for name, raw in self._staging.items():
+                state["model." + name] = raw.clone()
+        for name, shadow in self.shadows.items():
+            # Rank 0 writes a copy: an asynchronous CheckpointIO may still be writing when the next
+            # update runs. Other ranks write nothing and spare the memory.
+            state[ema_key(name)] = shadow.clone() if trainer.is_global_zero else shadow
+        state["model_ema.decay"] = torch.tensor(self.decay, dtype=torch.float32)
+        state["model_ema.num_updates"] = torch.tensor(self.num_updates, dtype=torch.int32)
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        state = checkpoint.get("state_dict", {})
+        shadows = {
+            k: v for k, v in state.items() if k.startswith(EMA_PREFIX) and k not in EMA_SCALARS
+        }
+        if not shadows:
+            rank_zero_warn(
+                "EMA: the checkpoint has no model_ema.* weights; the average restarts from the model"
+            )
+            return
+        num_updates = int(state.get("model_ema.num_updates", torch.tensor(0)))
+        self._loaded = {"shadows": shadows, "num_updates": max(num_updates, 0)}
+
+    def state_dict(self) -> dict:
+        # The shadows themselves travel in checkpoint["state_dict"] (original layout).
+        return {
+            "last_update_step": self._last_update_step,
+            "decay": self.decay,
+            "update_every": self.update_every,
+            "warmup": self.warmup,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        changed = [
+            k for k in ("decay", "update_every", "warmup") if state_dict.get(k) != getattr(self, k)
+        ]
+        if changed:
+            rank_zero_warn(
+                f"EMA: {', '.join(changed)} differ from the checkpoint's; using the new values"
+            )
+        self._last_update_step = state_dict["last_update_step"]
+
+    # --- swapping ----------------------------------------------------------------------------
+    @property
+    def swapped(self) -> bool:
+        return self._swap is not None
+
+    def swap_in(self, pl_module) -> None:
+        """Put the EMA weights into `pl_module.model` (raw ones wait in CPU memory)."""
+        if self.swapped:
+            raise RuntimeError("EMA weights are already swapped in")
+        self._finish()
+        self._swap = ExitStack()
+        self._swap.enter_context(
+            swapped_weights(self._trainable_params(pl_module), self.shadows, self._staging)
+        )
+
+    def swap_out(self) -> None:
+        """Put the raw weights back."""
+        if self._swap is not None:
+            swap, self._swap = self._swap, None
+            swap.close()
+
+    # --- hooks -------------------------------------------------------------------------------
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit":
+            self._check_strategy(trainer)
+            if self.async_update and self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Here, not at fit start: every strategy has restored weights and step count by now.
+        self._allocate(pl_module)
+        if self._loaded is not None:
+            self._apply_loaded()
+        if self._last_update_step is None:
+            self._last_update_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        # global_step counts optimizer steps, so accumulated micro-batches do not update.
+        if trainer.global_step - self._last_update_step >= self.update_every:
+            self._update(pl_module, trainer.global_step)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._copy_done is not None:
+            # The device (not the host) waits until the last copy has read the weights.
+            torch.accelerator.current_stream(pl_module.device).wait_event(self._copy_done)
+            self._copy_done = None
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if self.validate_with_ema and self.shadows is not None and not self.swapped:
+            self.swap_in(pl_module)
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        # Before on_validation_end, where ModelCheckpoint saves: checkpoints hold raw weights.
+        self.swap_out()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._finish()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Runs before the checkpoint callbacks' on_exception: they must save the raw weights.
+        self.swap_out()
+        if self._pending is not None and self._pending.exception() is None:  # waits; never raises
+            self._pending = None
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._executor is not None:
+            self._finish()
+            self._executor.shutdown()
+            self._executor = None

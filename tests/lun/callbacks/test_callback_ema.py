@@ -1,0 +1,223 @@
+import math
+import os
+from types import SimpleNamespace
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from callback_testing import SeedEveryStep, WeightRecorder, trainable_weights
+from torch.testing import assert_close
+
+from lun.callbacks.checkpoints import Checkpoint
+from lun.callbacks.ema import EMA, ema_weights
+
+
+def reference_decay(warmup: str, decay: float, n: int) -> float:
+    """The decay at update n, written out from the formulas (not from the implementation)."""
+    if warmup == "litema":
+        return min(decay, (1 + n) / (10 + n))
+    if warmup == "power":
+        return min(decay, 1 - n ** (-2 / 3))
+    return decay
+
+
+@pytest.mark.parametrize(
+    "update_every, accumulate, warmup",
+    [(1, 1, "litema"), (3, 2, "power"), (2, 1, "none")],
+)
+def test_ema_equals_hand_computed_average(
+    make_module, make_loader, fit, update_every, accumulate, warmup
+):
+    decay, max_steps = 0.9, 6
+    recorder = WeightRecorder()
+    ema = EMA(decay=decay, update_every=update_every, warmup=warmup)
+    module = make_module()
+    fit(
+        module,
+        [SeedEveryStep(), recorder, ema],
+        make_loader(batches=8),
+        max_steps=max_steps,
+        accumulate_grad_batches=accumulate,
+    )
+
+    # shadow_k = keep * shadow_{k-1} + (1 - keep) * weights_k, keep = product of per-step decays.
+    expected = {n: w.double() for n, w in recorder.by_step[0].items()}
+    for step in range(update_every, max_steps + 1, update_every):
+        keep = math.prod(
+            reference_decay(warmup, decay, n) for n in range(step - update_every + 1, step + 1)
+        )
+        expected = {
+            n: keep * s + (1 - keep) * recorder.by_step[step][n].double()
+            for n, s in expected.items()
+        }
+    assert ema.num_updates == max_steps // update_every * update_every
+    assert sorted(ema.shadows) == sorted(expected)
+    for name, shadow in ema.shadows.items():
+        assert_close(shadow.double(), expected[name], rtol=1e-5, atol=1e-6)
+    # The average is not simply the last weights (the test would pass trivially otherwise).
+    final = trainable_weights(module)
+    assert any(not torch.equal(ema.shadows[n], final[n]) for n in final)
+
+
+def test_resume_continues_the_same_average(make_module, make_loader, fit, tmp_path):
+    loader = make_loader(
+        batches=1, same=True
+    )  # one identical batch per epoch: data order cannot differ
+
+    def run(ckpt_path=None, folder="a"):
+        ema = EMA(decay=0.8, update_every=2)
+        saver = Checkpoint(dirpath=str(tmp_path / folder), every_n_train_steps=3, save_top_k=-1)
+        module = make_module()
+        fit(module, [SeedEveryStep(), ema, saver], loader, max_steps=6, ckpt_path=ckpt_path)
+        return module, ema
+
+    module_a, ema_a = run()
+    # Step 3 is between two EMA updates (every 2 steps): the resumed run must still agree.
+    module_b, ema_b = run(ckpt_path=str(tmp_path / "a" / "step-000000003.ckpt"), folder="b")
+    assert ema_b.num_updates == ema_a.num_updates == 6
+    for name in ema_a.shadows:
+        assert torch.equal(ema_a.shadows[name], ema_b.shadows[name]), name
+    assert all(
+        torch.equal(a, b) for a, b in zip(module_a.model.parameters(), module_b.model.parameters())
+    )
+
+
+def test_ema_lives_on_the_cpu_and_is_saved_in_the_original_layout(
+    make_module, make_loader, fit, tmp_path
+):
+    ema = EMA(decay=0.95)
+    module = make_module()
+    fit(
+        module,
+        [ema, Checkpoint(dirpath=str(tmp_path), filename="final", every_n_train_steps=4)],
+        make_loader(),
+        max_steps=4,
+    )
+
+    params = dict(module.model.named_parameters())
+    for name, shadow in ema.shadows.items():
+        assert shadow.device.type == "cpu" and shadow.dtype == torch.float32
+        assert shadow.untyped_storage().data_ptr() != params[name].untyped_storage().data_ptr()
+    assert all(t.device.type == "cpu" for t in ema._staging.values())
+
+    state = torch.load(tmp_path / "final.ckpt", weights_only=True)["state_dict"]
+    trainable = [n for n, p in module.model.named_parameters() if p.requires_grad]
+    for name in trainable:
+        key = "model_ema." + name.replace(".", "")  # e.g. model_ema.diffusion_model0weight
+        assert torch.equal(state[key], ema.shadows[name])
+        assert torch.equal(state["model." + name], params[name].detach())  # raw weights stay raw
+    assert state["model_ema.decay"].dtype == torch.float32 and state["model_ema.decay"].dim() == 0
+    assert state["model_ema.decay"].item() == pytest.approx(0.95)
+    assert (
+        state["model_ema.num_updates"].dtype == torch.int32
+        and state["model_ema.num_updates"].item() == 4
+    )
+    shadows = [k for k in state if k.startswith("model_ema.")]
+    assert len(shadows) == len(trainable) + 2
+
+
+def test_ema_weights_context_swaps_in_and_out(make_module, make_loader, fit):
+    ema = EMA(decay=0.9)
+    module = make_module()
+    trainer = fit(module, [ema], make_loader())
+    raw = trainable_weights(module)
+    with ema_weights(trainer, module):
+        assert all(torch.equal(w, ema.shadows[n]) for n, w in trainable_weights(module).items())
+        with ema_weights(trainer, module):  # nested: no second swap
+            pass
+        assert all(torch.equal(w, ema.shadows[n]) for n, w in trainable_weights(module).items())
+    assert all(torch.equal(w, raw[n]) for n, w in trainable_weights(module).items())
+    assert not all(torch.equal(raw[n], ema.shadows[n]) for n in raw)
+
+
+def test_ema_weights_is_a_no_op_without_ema(make_module, make_loader, fit):
+    module = make_module()
+    trainer = fit(module, [], make_loader(), max_steps=1)
+    before = trainable_weights(module)
+    with ema_weights(trainer, module):
+        inside = trainable_weights(module)
+    assert all(torch.equal(before[n], inside[n]) for n in before)
+
+
+class ValidationProbe(pl.Callback):
+    def __init__(self, ema):
+        self.ema, self.seen = ema, []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        shadows = {n: s.clone() for n, s in self.ema.shadows.items()}
+        self.seen.append((trainer.global_step, trainable_weights(pl_module), shadows))
+
+
+def test_validation_runs_with_ema_and_checkpoints_keep_raw_weights(
+    make_module, make_loader, fit, tmp_path
+):
+    ema = EMA(decay=0.9)
+    probe, recorder = ValidationProbe(ema), WeightRecorder()
+    best = Checkpoint(dirpath=str(tmp_path), monitor="val/loss", save_top_k=-1)
+    fit(
+        make_module(),
+        [recorder, ema, probe, best],
+        make_loader(),
+        make_loader(batches=1),
+        max_steps=4,
+        val_check_interval=2,
+    )
+
+    assert [step for step, _, _ in probe.seen] == [2, 4]
+    for step, weights, shadows in probe.seen:
+        assert all(torch.equal(weights[n], shadows[n]) for n in weights)
+        assert not all(torch.equal(weights[n], recorder.by_step[step][n]) for n in weights)
+        state = torch.load(tmp_path / f"best-val_loss-step-{step:09d}.ckpt", weights_only=True)[
+            "state_dict"
+        ]
+        assert all(torch.equal(state["model." + n], recorder.by_step[step][n]) for n in weights)
+
+
+def test_sharded_strategies_are_refused():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError, match="shards them"):
+        EMA._check_strategy(SimpleNamespace(strategy=FSDPStrategy()))
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="warmup"):
+        EMA(warmup="cosine")
+    with pytest.raises(ValueError, match="update_every"):
+        EMA(update_every=0)
+
+
+class SaveShadows(pl.Callback):
+    def __init__(self, folder):
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        ema = next(c for c in trainer.callbacks if isinstance(c, EMA))
+        torch.save(ema.shadows, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+
+
+@pytest.mark.slow
+def test_ddp_ranks_keep_identical_averages_and_rank0_writes(make_module, make_loader, tmp_path):
+    ckpt_dir = tmp_path / "ckpt"
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_fork",
+        max_steps=3,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[
+            EMA(decay=0.9),
+            SaveShadows(str(tmp_path)),
+            Checkpoint(dirpath=str(ckpt_dir), every_n_train_steps=3),
+        ],
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(make_module(), make_loader(batches=6))
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
+    assert sorted(os.listdir(ckpt_dir)) == ["every-3-steps.ckpt"]
+    state = torch.load(ckpt_dir / "every-3-steps.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(state["model_ema." + n.replace(".", "")], rank0[n]) for n in rank0)
