@@ -1,0 +1,188 @@
+"""Shared by scripts/txt2img.py and scripts/img2img.py: load a model, draw seeds, save PNGs.
+
+Each PNG carries its generation parameters in a `parameters` text chunk, in the format
+AUTOMATIC1111 writes (and ComfyUI / other viewers read).
+"""
+
+import argparse
+import contextlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+
+from ldm import checkpoint
+from ldm.util import instantiate_from_config
+from lun.config import check_complete, merge_configs, to_container
+
+SAMPLER_NAMES = {"ddim": "DDIM", "plms": "PLMS", "euler": "Euler", "euler_a": "Euler a",
+                 "heun": "Heun", "dpmpp_2m": "DPM++ 2M"}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """The flags txt2img and img2img share (names as in the original SD scripts)."""
+    parser.add_argument("--prompt", default="a painting of a virus monster playing guitar")
+    parser.add_argument("--from-file", help="one prompt per line (overrides --prompt)")
+    parser.add_argument("--negative-prompt", default="", help="what the image should not show")
+    parser.add_argument("--outdir", default="outputs/txt2img-samples")
+    parser.add_argument("--steps", "--ddim_steps", dest="steps", type=int, default=50)
+    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim")
+    parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
+    parser.add_argument("--eta", "--ddim_eta", dest="eta", type=float, default=0.0, help="DDIM eta")
+    parser.add_argument("--scale", type=float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument("--n_samples", type=int, default=1, help="images per prompt per iteration (batch)")
+    parser.add_argument("--n_iter", type=int, default=1, help="iterations")
+    parser.add_argument("--H", type=int, default=None, help="height in pixels (default: the model's)")
+    parser.add_argument("--W", type=int, default=None, help="width in pixels (default: the model's)")
+    parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
+    parser.add_argument("--fixed_code", action="store_true", help="same starting noise in every iteration")
+    parser.add_argument("--config", help="model config (default: the run folder's saved config)")
+    parser.add_argument("--ckpt", required=True, help=".ckpt or .safetensors (ours or an original SD one)")
+    parser.add_argument("--precision", choices=["full", "autocast"], default="full")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                        help="autocast dtype with --precision autocast")
+    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
+                        help="use EMA weights (default: when the checkpoint has them)")
+    parser.add_argument("--skip_grid", action="store_true")
+    parser.add_argument("--device", default=None, help="default: cuda, else mps, else cpu")
+    parser.add_argument("--unsafe-load", action="store_true",
+                        help="allow pickled code in a .ckpt (only for files you trust)")
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def find_config(ckpt: Path) -> list[Path]:
+    """A checkpoint inside a run folder (`<run>/checkpoints/x.ckpt`) names its own configs."""
+    configs = sorted((ckpt.parent.parent / "configs").glob("*-project.yaml"))
+    if not configs:
+        raise FileNotFoundError(f"no --config given and no saved config next to {ckpt}")
+    return configs
+
+
+def load_model(args) -> torch.nn.Module:
+    """Build the model from its config and load the checkpoint strictly (EMA as asked)."""
+    ckpt = Path(args.ckpt)
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    cfg = merge_configs([args.config] if args.config else find_config(ckpt))
+    cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
+    check_complete(cfg.model)
+    model = instantiate_from_config(to_container(cfg.model))
+    checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    return model.eval().to(pick_device(args.device))
+
+
+def read_prompts(args) -> list[str]:
+    if args.from_file:
+        return [line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()]
+    return [args.prompt]
+
+
+def a1111_parameters(prompt: str, negative: str, args, seed: int, width: int, height: int, model_hash: str,
+                     extra: dict | None = None) -> str:
+    sampler = SAMPLER_NAMES[args.sampler] + (" Karras" if args.karras else "")
+    fields = {"Steps": args.steps, "Sampler": sampler, "CFG scale": args.scale, "Seed": seed,
+              "Size": f"{width}x{height}", "Model hash": model_hash, **(extra or {})}
+    lines = [prompt]
+    if negative:
+        lines.append(f"Negative prompt: {negative}")
+    lines.append(", ".join(f"{k}: {v}" for k, v in fields.items()))
+    return "\n".join(lines)
+
+
+def to_pil(image: torch.Tensor) -> Image.Image:
+    """(3, H, W) in [-1, 1] -> 8-bit RGB image."""
+    array = ((image.float().clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).cpu().numpy()
+    return Image.fromarray(array)
+
+
+def make_grid(images: torch.Tensor, nrow: int, padding: int = 2) -> torch.Tensor:
+    """(N, 3, H, W) -> (3, rows*(H+p)+p, nrow*(W+p)+p) with black padding."""
+    n, c, h, w = images.shape
+    rows = -(-n // nrow)
+    grid = images.new_full((c, rows * (h + padding) + padding, nrow * (w + padding) + padding), -1.0)
+    for i, image in enumerate(images):
+        y, x = padding + (i // nrow) * (h + padding), padding + (i % nrow) * (w + padding)
+        grid[:, y:y + h, x:x + w] = image
+    return grid
+
+
+def save_png(image: Image.Image, path: Path, parameters: str | None = None) -> None:
+    info = None
+    if parameters is not None:
+        info = PngInfo()
+        info.add_text("parameters", parameters)
+    image.save(path, pnginfo=info)
+
+
+def starting_noise(seeds: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """One noise tensor per seed, so each image is reproducible on its own from its seed."""
+    return torch.stack([torch.randn(shape, generator=torch.Generator(device).manual_seed(s), device=device)
+                        for s in seeds])
+
+
+def generate(args, init_images: torch.Tensor | None = None, extra_params: dict | None = None) -> list[Path]:
+    """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
+    model = load_model(args)
+    device = model.device
+    model_hash = checkpoint.file_hash(args.ckpt)
+    height = args.H or (init_images.shape[-2] if init_images is not None else model.latent_size * model.downscale)
+    width = args.W or (init_images.shape[-1] if init_images is not None else model.latent_size * model.downscale)
+    if height % 8 or width % 8:
+        raise ValueError(f"--H and --W must be multiples of 8, got {height}x{width}")
+    outdir = Path(args.outdir)
+    sample_dir = outdir / "samples"
+    sample_dir.mkdir(parents=True, exist_ok=True)
+    count = len(list(sample_dir.glob("*.png")))
+    latent_shape = (model.latent_channels, height // model.downscale, width // model.downscale)
+    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.precision == "autocast"
+                else contextlib.nullcontext())
+    written, all_images = [], []
+    for prompt in read_prompts(args):
+        for iteration in range(args.n_iter):
+            first = args.seed + (0 if args.fixed_code else iteration * args.n_samples)
+            seeds = list(range(first, first + args.n_samples))
+            init = None if init_images is None else init_images.to(device).expand(args.n_samples, -1, -1, -1)
+            with torch.no_grad(), autocast:
+                images = model.sample(
+                    [prompt] * args.n_samples, [args.negative_prompt] * args.n_samples, height=height,
+                    width=width, sampler=args.sampler, steps=args.steps, scale=args.scale, eta=args.eta,
+                    karras=args.karras, generator=torch.Generator(device).manual_seed(first),
+                    noise=starting_noise(seeds, latent_shape, device), init_images=init,
+                    strength=getattr(args, "strength", 1.0),
+                )
+            for image, seed in zip(images, seeds):
+                path = sample_dir / f"{count:05d}.png"
+                params = a1111_parameters(prompt, args.negative_prompt, args, seed, width, height, model_hash,
+                                          extra_params)
+                save_png(to_pil(image), path, params)
+                written.append(path)
+                count += 1
+            all_images.append(images.float().cpu())
+    if not args.skip_grid:
+        grid_count = len(list(outdir.glob("grid-*.png")))
+        grid = make_grid(torch.cat(all_images), nrow=args.n_samples)
+        save_png(to_pil(grid), outdir / f"grid-{grid_count:04d}.png")
+    print(f"wrote {len(written)} images to {sample_dir}")
+    return written
+
+
+def load_init_image(path: str, width: int | None, height: int | None) -> torch.Tensor:
+    """An image file -> (1, 3, H, W) in [-1, 1], resized to multiples of 8 (or to --W/--H)."""
+    image = Image.open(path).convert("RGB")
+    w, h = width or image.width, height or image.height
+    w, h = w - w % 8, h - h % 8
+    image = image.resize((w, h), Image.Resampling.LANCZOS)
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).unsqueeze(0)

@@ -1,0 +1,120 @@
+"""Train a latent diffusion model from YAML configs.
+
+    python main.py --base configs/a.yaml configs/b.yaml key.path=value -t
+    python main.py --resume logs/<run>            # continue where it stopped
+"""
+
+import argparse
+import logging
+import sys
+import traceback
+from pathlib import Path
+
+from lun.config import ConfigError, check_complete, merge_configs, to_container
+
+
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml",
+                        help="YAML configs, merged left to right; `key.path=value` overrides after them win")
+    parser.add_argument("-t", "--train", action="store_true", help="train (otherwise only build and check)")
+    parser.add_argument("-n", "--name", default="", help="run name (default: first config's file name)")
+    parser.add_argument("-r", "--resume", default="", help="run folder or .ckpt to resume from")
+    parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
+    parser.add_argument("-l", "--logdir", default="logs", help="parent folder of run folders")
+    parser.add_argument("-f", "--postfix", default="", help="appended to the run folder's name")
+    parser.add_argument("--no-test", action="store_true", help="skip the test split after training")
+    parser.add_argument("--scale_lr", action="store_true",
+                        help="lr = accumulate x devices x nodes x batch size x base_learning_rate")
+    parser.add_argument("-d", "--debug", action="store_true", help="full tracebacks, debug logging")
+    opt, dotlist = parser.parse_known_args(argv)
+    # `--base a.yaml b.yaml key=value` puts overrides into --base's list: move them out.
+    dotlist = [a for a in opt.base if "=" in a] + dotlist
+    opt.base = [a for a in opt.base if "=" not in a]
+    return opt, dotlist
+
+
+def main(argv=None) -> int:
+    opt, dotlist = parse_args(argv)
+    # Our loggers only: Lightning prints its own messages through its own handler.
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in ("ldm", "lun"):
+        logging.getLogger(name).addHandler(handler)
+        logging.getLogger(name).setLevel(logging.DEBUG if opt.debug else logging.INFO)
+    try:
+        return run(opt, dotlist)
+    except ConfigError as err:
+        if opt.debug:
+            traceback.print_exc()
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+
+
+def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
+    # Heavy imports after argument parsing, so `--help` and config errors answer at once.
+    from lightning.pytorch import seed_everything
+
+    from ldm.util import TargetError, instantiate_from_config
+    from lun.run import is_rank_zero, new_run_dir, resume_target, saved_configs
+    from lun.trainer import build_trainer
+
+    unknown = [a for a in dotlist if a.startswith("-")]
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]} (see --help)")
+    ckpt_path = None
+    if opt.resume:
+        run_dir, ckpt_path = resume_target(opt.resume)
+        bases = opt.base or saved_configs(run_dir)
+    else:
+        bases = opt.base
+        name = opt.name or (Path(bases[0]).stem if bases else "run")
+        run_dir = new_run_dir(opt.logdir, name, opt.postfix)
+    cfg = merge_configs(bases, dotlist)
+    for section in ("model", "data"):
+        if section not in cfg:
+            raise ConfigError(f"the merged config has no '{section}' section")
+    check_complete(cfg)
+    config = to_container(cfg)
+    lightning_cfg = config.get("lightning") or {}
+
+    seed_everything(opt.seed, workers=True)
+    try:
+        model = instantiate_from_config(config["model"])
+        data = instantiate_from_config(config["data"])
+        data_params = config["data"].get("params") or {}
+        # The original configs' `model.params.use_ema` switches on the EMA callback.
+        use_ema = bool(config["model"].get("params", {}).get("use_ema", False))
+        trainer = build_trainer(lightning_cfg, run_dir, "validation" in data_params, use_ema)
+    except TargetError as err:
+        raise ConfigError(str(err)) from None
+    except TypeError as err:
+        # A wrong parameter name in a `params:` block reaches the constructor as a TypeError.
+        raise ConfigError(str(err).splitlines()[0]) from None
+
+    base_lr = config["model"].get("base_learning_rate", 1.0e-4)
+    model.learning_rate = scaled_learning_rate(base_lr, config, trainer) if opt.scale_lr else base_lr
+    if is_rank_zero():
+        run_dir.create()
+        run_dir.save_configs(cfg)
+        print(f"run folder: {run_dir.root}")
+    if not opt.train:
+        return 0
+    trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    if not opt.no_test and "test" in data_params:
+        trainer.test(model, datamodule=data)
+    return 0
+
+
+def scaled_learning_rate(base_lr: float, config: dict, trainer) -> float:
+    batch_size = config["data"]["params"]["batch_size"]
+    accumulate = trainer.accumulate_grad_batches
+    devices, nodes = trainer.num_devices, trainer.num_nodes
+    lr = accumulate * devices * nodes * batch_size * base_lr
+    print(f"learning rate {lr:.2e} = {accumulate} (accumulate) x {devices} (devices) x {nodes} (nodes) "
+          f"x {batch_size} (batch size) x {base_lr:.2e} (base_learning_rate)")
+    return lr
+
+
+if __name__ == "__main__":
+    sys.exit(main())

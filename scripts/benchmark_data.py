@@ -1,0 +1,201 @@
+"""Images/s of lun.data's loader against a plain PIL pipeline on the same files, in the same run.
+
+    python scripts/benchmark_data.py                       # 512 and 1024 px JPEG sources -> 512
+    python scripts/benchmark_data.py --n 64 --workers 0 1  # quicker
+    python scripts/benchmark_data.py --demo-steps 0        # skip the training-step measurement
+
+The plain pipeline is what a data loader usually does: PIL open -> convert("RGB") -> resize the
+short side to the target (bicubic) -> center crop -> numpy -> float tensor in [-1, 1]. Ours is
+lun.data.local.Local: JPEG draft decoding (libjpeg scales by 1/2, 1/4, 1/8 in the DCT when the
+source's short side is at least twice the target) and one resize that also crops. Both run in the
+same DataLoader (batch 8) with 0 (in-process: one core), 1 and 2 workers; the best of `--repeats`
+runs counts, since a shared machine only ever makes a run slower.
+
+Last, a few training steps of the demo model (configs/tiny/ldm.yaml on generated shapes) measure
+the share of step time spent waiting for data. Prints markdown tables (for the README).
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from lun.data.local import Local  # noqa: E402
+
+
+def make_sources(folder: Path, count: int, side: int, seed: int = 0) -> Path:
+    """`count` photo-like JPEGs (smooth colour fields, edges, a little grain) of side x side."""
+    rng = np.random.default_rng(seed)
+    (folder / "images").mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        coarse = rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
+        field = np.asarray(
+            Image.fromarray(coarse).resize((side, side), Image.Resampling.BICUBIC), dtype=np.int16
+        )
+        y, x = np.mgrid[0:side, 0:side]
+        cx, cy, r = rng.integers(side // 4, 3 * side // 4, 3)
+        field[(x - cx) ** 2 + (y - cy) ** 2 < (r // 2) ** 2] = rng.integers(0, 256, 3)
+        field += rng.normal(0, 6, field.shape).astype(np.int16)
+        image = Image.fromarray(field.clip(0, 255).astype(np.uint8))
+        image.save(folder / "images" / f"{i:05d}.jpg", quality=90)
+        (folder / "images" / f"{i:05d}.txt").write_text(f"sample {i}")
+    return folder
+
+
+class PlainPipeline(Dataset):
+    """The usual loader: open, convert, resize short side, center crop, to tensor."""
+
+    def __init__(self, root: Path, size: int):
+        self.paths = sorted((root / "images").glob("*.jpg"))
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> dict:
+        path = self.paths[index]
+        image = Image.open(path).convert("RGB")
+        scale = self.size / min(image.size)
+        image = image.resize(
+            (round(image.width * scale), round(image.height * scale)), Image.Resampling.BICUBIC
+        )
+        left, top = (image.width - self.size) // 2, (image.height - self.size) // 2
+        image = image.crop((left, top, left + self.size, top + self.size))
+        pixels = (
+            torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 127.5 - 1.0
+        )  # (3, H, W)
+        return {"image": pixels, "caption": path.with_suffix(".txt").read_text()}
+
+
+def images_per_second(dataset: Dataset, workers: int, batch_size: int = 8) -> float:
+    """Throughput after the first batch (worker start-up is not the loader's speed)."""
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, shuffle=False)
+    iterator = iter(loader)
+    next(iterator)
+    start, count = time.perf_counter(), 0
+    for batch in iterator:
+        count += len(batch["caption"])
+    return count / (time.perf_counter() - start)
+
+
+def loader_table(args, tmp: Path) -> list[str]:
+    rows = [
+        "| source | workers | plain PIL img/s | lun.data img/s | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for side in args.sizes:
+        root = make_sources(tmp / f"src{side}", args.n, side)
+        plain = PlainPipeline(root, args.target)
+        ours = Local(str(root), size=args.target, cache_dir=False)
+        for workers in args.workers:
+            best_plain = max(images_per_second(plain, workers) for _ in range(args.repeats))
+            best_ours = max(images_per_second(ours, workers) for _ in range(args.repeats))
+            label = f"{side}px JPEG -> {args.target}"
+            rows.append(
+                f"| {label} | {workers} | {best_plain:.1f} | {best_ours:.1f} | {best_ours / best_plain:.2f}x |"
+            )
+            print(rows[-1], flush=True)
+    return rows
+
+
+def demo_table(args, tmp: Path) -> list[str]:
+    """Share of training-step time the demo model waits for its next batch."""
+    import lightning as L
+    from make_shapes import make_shapes
+    from omegaconf import OmegaConf
+
+    from ldm.util import instantiate_from_config
+
+    class DataWait(L.Callback):
+        def __init__(self):
+            self.waits, self.steps, self._end = [], [], None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            now = time.perf_counter()
+            if (
+                self._end is not None
+            ):  # the fetch happens between one batch's end and the next start
+                self.waits.append(now - self._end)
+            self._start = now
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self._end = time.perf_counter()
+            self.steps.append(self._end - self._start)
+
+    config = OmegaConf.load(args.demo_config)
+    make_shapes(tmp / "shapes", n=256, size=config.data.params.train.params.size, seed=0)
+    rows = [
+        "| demo model | workers | step (ms) | waiting for data (ms) | share of step time |",
+        "|---|---|---|---|---|",
+    ]
+    for workers in args.demo_workers:
+        data_config = OmegaConf.merge(
+            config.data,
+            {
+                "params": {
+                    "num_workers": workers,
+                    "train": {"params": {"data_root": str(tmp / "shapes")}},
+                }
+            },
+        )
+        L.seed_everything(0)
+        model = instantiate_from_config(config.model)
+        timer = DataWait()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=args.demo_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[timer],
+        )
+        trainer.fit(model, datamodule=instantiate_from_config(data_config))
+        wait, step = np.median(timer.waits[2:]), np.median(timer.steps[2:])  # after warm-up
+        share = wait / (wait + step)
+        rows.append(
+            f"| {Path(args.demo_config).name} | {workers} | {step * 1e3:.1f} | {wait * 1e3:.2f} | {share:.1%} |"
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--n", type=int, default=96, help="source images per size")
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", default=[512, 1024], help="source sides (px)"
+    )
+    parser.add_argument("--target", type=int, default=512, help="training size (px)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--demo-config", default=str(ROOT / "configs" / "tiny" / "ldm.yaml"))
+    parser.add_argument("--demo-steps", type=int, default=20, help="0 skips the demo measurement")
+    parser.add_argument("--demo-workers", type=int, nargs="+", default=[0, 2])
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per loader process, as in a real multi-worker run
+    with tempfile.TemporaryDirectory() as tmp:
+        tables = [loader_table(args, Path(tmp))]
+        if args.demo_steps:
+            torch.set_num_threads(2)
+            tables.append(demo_table(args, Path(tmp)))
+    print()
+    for table in tables:
+        print("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()

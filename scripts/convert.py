@@ -1,0 +1,120 @@
+"""Convert a training checkpoint into the files other tools load.
+
+    # original-layout .safetensors (ComfyUI, AUTOMATIC1111, diffusers from_single_file)
+    python scripts/convert.py logs/<run>/checkpoints/last.ckpt model.safetensors --ema --half
+    # a diffusers pipeline folder (needs `pip install diffusers`)
+    python scripts/convert.py logs/<run>/checkpoints/last.ckpt --to-diffusers out/pipeline
+
+--ema writes the EMA weights as the model weights; --prune keeps weights only (drops EMA shadows,
+optimizer and loop state); --half / --bf16 store floating weights in fp16 / bf16.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ldm import checkpoint
+from ldm.util import instantiate_from_config
+from lun.config import merge_configs, to_container
+from lun.generation import find_config
+
+
+def convert_state(state: dict, ema: bool, prune: bool) -> dict:
+    """EMA shadows -> model weights (`ema`), EMA shadows dropped (`prune` or `ema`)."""
+    if ema:
+        if not checkpoint.has_ema(state):
+            raise KeyError("--ema: the checkpoint has no EMA weights (model_ema.*)")
+        unet_names = [k[len("model."):] for k in state if k.startswith("model.")]
+        return checkpoint.apply_ema(state, unet_names)
+    if prune:
+        return {k: v for k, v in state.items()
+                if not k.startswith(checkpoint.EMA_PREFIX) or k in checkpoint.EMA_SCALARS}
+    return state
+
+
+def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: bool) -> None:
+    if path.suffix == ".safetensors":
+        checkpoint.save_safetensors(state, path, dtype=dtype, metadata={"format": "pt"})
+        return
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({**kept, "state_dict": state, "global_step": contents.get("global_step", 0)}, tmp)
+    tmp.replace(path)
+
+
+def export_diffusers(state: dict, config_paths: list, out_dir: Path) -> None:
+    """Write a `StableDiffusionPipeline` folder with diffusers' own converters."""
+    try:
+        from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers.loaders import single_file_utils as sfu
+    except ImportError:
+        raise ImportError("--to-diffusers needs diffusers: pip install diffusers") from None
+    from transformers import CLIPTextModel
+
+    original = to_container(merge_configs(config_paths))
+    params = original["model"]["params"]
+    model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
+    encoder = model.cond_stage_model
+    if not hasattr(encoder, "transformer"):
+        raise ValueError("--to-diffusers supports the v1 CLIP text encoder (FrozenCLIPEmbedder)")
+
+    unet_config = sfu.create_unet_diffusers_config_from_ldm(original, state)
+    unet = UNet2DConditionModel(**unet_config)
+    unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(state, unet_config))
+    vae_config = sfu.create_vae_diffusers_config_from_ldm(original, state, scaling_factor=params.get("scale_factor", 0.18215))
+    vae = AutoencoderKL(**vae_config)
+    vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, vae_config))
+    text_encoder = CLIPTextModel(encoder.transformer.config)
+    clip_state = sfu.convert_ldm_clip_checkpoint(state)
+    clip_state = {k: v for k, v in clip_state.items() if not k.endswith("position_ids")}
+    if not any(k.startswith("text_model.") for k in text_encoder.state_dict()):
+        clip_state = {k.removeprefix("text_model."): v for k, v in clip_state.items()}
+    text_encoder.load_state_dict(clip_state)
+    scheduler = DDIMScheduler(
+        beta_start=params.get("linear_start", 0.00085), beta_end=params.get("linear_end", 0.012),
+        beta_schedule="scaled_linear", num_train_timesteps=params.get("timesteps", 1000),
+        clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading",
+        prediction_type="v_prediction" if params.get("parameterization") == "v" else "epsilon",
+    )
+    pipeline = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=encoder.tokenizer, unet=unet,
+                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpt", help="our Lightning .ckpt (or any SD checkpoint)")
+    parser.add_argument("out", nargs="?", help="output .safetensors or .ckpt")
+    parser.add_argument("--ema", action="store_true", help="write the EMA weights as the model weights")
+    parser.add_argument("--prune", action="store_true", help="weights only: no EMA shadows, optimizer, loops")
+    precision = parser.add_mutually_exclusive_group()
+    precision.add_argument("--half", action="store_true", help="store floating weights as fp16")
+    precision.add_argument("--bf16", action="store_true", help="store floating weights as bf16")
+    parser.add_argument("--to-diffusers", metavar="DIR", help="also write a diffusers pipeline folder")
+    parser.add_argument("--config", help="model config (default: the run folder's saved config)")
+    parser.add_argument("--unsafe-load", action="store_true", help="allow pickled code (trusted files only)")
+    args = parser.parse_args(argv)
+    if not args.out and not args.to_diffusers:
+        parser.error("give an output file, --to-diffusers DIR, or both")
+    try:
+        contents = checkpoint.load_file_state(args.ckpt, unsafe=args.unsafe_load)
+        state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
+        dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
+        if args.out:
+            save_checkpoint_file(state, Path(args.out), dtype, contents, args.prune or args.ema)
+            print(f"wrote {args.out} ({len(state)} tensors)")
+        if args.to_diffusers:
+            configs = [args.config] if args.config else find_config(Path(args.ckpt))
+            export_diffusers(checkpoint.without_ema(state), configs, Path(args.to_diffusers))
+            print(f"wrote diffusers pipeline to {args.to_diffusers}")
+    except (FileNotFoundError, KeyError, ValueError, ImportError) as err:
+        sys.exit(f"error: {str(err).strip(chr(39))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Turn an image into another: noise it to `--strength` and denoise it towards the prompt.
+
+    python scripts/img2img.py --ckpt logs/<run>/checkpoints/last.ckpt --init-img sketch.png \
+        --prompt "a blue square on a white background" --strength 0.6
+"""
+
+import argparse
+import sys
+
+from lun.generation import add_generation_args, generate, load_init_image
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_generation_args(parser)
+    parser.add_argument("--init-img", required=True, help="the starting image")
+    parser.add_argument("--strength", type=float, default=0.75,
+                        help="0 keeps the image, 1 ignores it (fraction of the steps that are run)")
+    parser.set_defaults(outdir="outputs/img2img-samples")
+    args = parser.parse_args(argv)
+    if not 0.0 <= args.strength <= 1.0:
+        parser.error("--strength must be in [0, 1]")
+    try:
+        init = load_init_image(args.init_img, args.W, args.H)
+        generate(args, init_images=init, extra_params={"Denoising strength": args.strength})
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        sys.exit(f"error: {str(err).strip(chr(39))}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Generate images from a prompt with a trained (or original SD) checkpoint.
+
+    python scripts/txt2img.py --ckpt logs/<run>/checkpoints/last.ckpt --prompt "a red circle" \
+        --sampler dpmpp_2m --karras --steps 20 --scale 7 --n_samples 4
+    python scripts/txt2img.py --config configs/stable-diffusion/v1-inference.yaml \
+        --ckpt v1-5-pruned-emaonly.safetensors --prompt "a photo of an astronaut"
+"""
+
+import argparse
+import sys
+
+from lun.generation import add_generation_args, generate
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_generation_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        generate(args)
+    except (FileNotFoundError, KeyError, ValueError) as err:
+        sys.exit(f"error: {str(err).strip(chr(39))}")
+
+
+if __name__ == "__main__":
+    main()

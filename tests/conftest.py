@@ -1,0 +1,45 @@
+"""Shared fixtures: a tiny generated image set and the tiny LatentDiffusion config."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def shapes_dir(tmp_path_factory) -> Path:
+    """16 generated 32x32 images with captions, in the flat-file layout."""
+    from make_shapes import make_shapes
+
+    out = tmp_path_factory.mktemp("shapes")
+    make_shapes(out, n=16, size=32, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_config() -> Path:
+    return ROOT / "configs" / "tiny" / "ldm.yaml"
+
+
+def run_main(args: list[str], cwd: Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """Run `python main.py ARGS` in a subprocess (how users run it)."""
+    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, tiny_config, shapes_dir) -> Path:
+    """A run folder from a 2-step training of the tiny config, with EMA weights in its checkpoint."""
+    logs = tmp_path_factory.mktemp("logs")
+    result = run_main(["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}",
+                       "model.params.use_ema=true", "-l", str(logs), "-t"], cwd=logs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = list(logs.iterdir())
+    return run
