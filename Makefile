@@ -17,10 +17,11 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
 	$(PIP) install -q --no-deps -r requirements-vocab.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 test: setup

@@ -125,7 +125,8 @@ def clip_tokenizer(path: str | None = None) -> CLIPTokenizer:
             json.dump(vocab, f, ensure_ascii=False)
         with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
             f.write("#version: 0.2\n" + "\n".join(merges) + "\n")
-        return CLIPTokenizer.from_pretrained(folder, local_files_only=True)
+        # 77 = CLIP's context length; written into tokenizer_config.json when a pipeline is saved.
+        return CLIPTokenizer.from_pretrained(folder, local_files_only=True, model_max_length=77)
 
 
 def open_clip_tokenize(tokenizer, texts: list[str], context_length: int = 77) -> torch.Tensor:

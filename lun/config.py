@@ -46,15 +46,16 @@ def merge_configs(paths: Sequence[str | Path], dotlist: Sequence[str] = ()) -> D
 
 def check_complete(cfg: DictConfig) -> None:
     """Fail on the first required value (`???`) left unset, and on broken interpolations."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+        if not missing:
+            OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot resolve config: {_first_line(err)}") from None
     if missing:
         more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else ""
         raise ConfigError(f"missing required value '{missing[0]}': set it in a YAML file or as "
                           f"{missing[0]}=...{more}")
-    try:
-        OmegaConf.resolve(cfg)
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot resolve config: {_first_line(err)}") from None
 
 
 def to_container(cfg: DictConfig) -> dict:
