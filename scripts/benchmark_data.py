@@ -101,8 +101,9 @@ def loader_table(args, tmp: Path) -> list[str]:
             best_plain = max(images_per_second(plain, workers) for _ in range(args.repeats))
             best_ours = max(images_per_second(ours, workers) for _ in range(args.repeats))
             label = f"{side}px JPEG -> {args.target}"
+            ratio = best_ours / best_plain
             rows.append(
-                f"| {label} | {workers} | {best_plain:.1f} | {best_ours:.1f} | {best_ours / best_plain:.2f}x |"
+                f"| {label} | {workers} | {best_plain:.1f} | {best_ours:.1f} | {ratio:.2f}x |"
             )
             print(rows[-1], flush=True)
     return rows
@@ -164,9 +165,8 @@ def demo_table(args, tmp: Path) -> list[str]:
         trainer.fit(model, datamodule=instantiate_from_config(data_config))
         wait, step = np.median(timer.waits[2:]), np.median(timer.steps[2:])  # after warm-up
         share = wait / (wait + step)
-        rows.append(
-            f"| {Path(args.demo_config).name} | {workers} | {step * 1e3:.1f} | {wait * 1e3:.2f} | {share:.1%} |"
-        )
+        name = Path(args.demo_config).name
+        rows.append(f"| {name} | {workers} | {step * 1e3:.1f} | {wait * 1e3:.2f} | {share:.1%} |")
         print(rows[-1], flush=True)
     return rows
 

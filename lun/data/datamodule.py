@@ -1,0 +1,244 @@
+"""lun.data.DataModule: datasets from config -> DataLoaders, seeded, sharded and resumable.
+
+    data:
+      target: lun.data.DataModule
+      params:
+        batch_size: 4
+        num_workers: 2
+        train:
+          target: lun.data.local.Local
+          params: {data_root: data/shapes, size: 64}
+        validation:                       # optional
+          target: lun.data.local.Local
+          params: {data_root: data/shapes_val, size: 64}
+          batch_size: 8                   # per-split overrides of the loader settings
+
+For the launcher:
+
+- Ranks: this module splits batches across ranks itself (every rank computes the same epoch order
+  from (seed, epoch) and takes its share), so the Trainer must be built with
+  `use_distributed_sampler=False`; under DDP with the default True it stops with that advice.
+- Resume: `trainer.fit(model, datamodule=dm, ckpt_path=...)` is all. Lightning stores
+  `DataModule.state_dict()` in every checkpoint - the epoch being served and the batches of it
+  this rank consumed (Lightning's own `batch_progress.current.processed`, which unlike a count in
+  the loader is not inflated by prefetching) - and hands it back to `load_state_dict()` before the
+  loaders are built; the resumed epoch then skips exactly those batches.
+- Seeds: the data order comes from `seed` (default: the seed given to `seed_everything`); each
+  DataLoader worker seeds torch, `random` and numpy from its own seed, worker id and rank.
+"""
+
+import functools
+import os
+import random
+import warnings
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from ldm.util import instantiate_from_config
+from lun.data.buckets import BucketBatchSampler
+
+LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
+
+
+def seed_worker(worker_id: int, rank: int = 0) -> None:
+    """worker_init_fn: distinct torch, `random` and numpy streams per worker and per rank.
+
+    torch.initial_seed() in a worker is the loader's base seed + worker id, but the base seed is
+    drawn from the main process's generator, which `seed_everything` makes equal on every rank -
+    so the rank is mixed in, else all ranks would augment alike.
+    """
+    sequence = np.random.SeedSequence([torch.initial_seed(), rank])
+    torch_seed, random_seed = (int(s) for s in sequence.generate_state(2, dtype=np.uint64))
+    torch.manual_seed(torch_seed)
+    random.seed(random_seed)
+    np.random.seed(sequence.generate_state(4))
+
+
+class EpochLoader(DataLoader):
+    """A DataLoader that tells its batch sampler or stream when an epoch begins.
+
+    Lightning only calls `set_epoch` on `sampler` attributes, and a stream dataset has none, so
+    each `iter()` - Lightning makes exactly one per epoch - begins the next epoch (or the
+    resumed one) on the object that orders the data.
+    """
+
+    def __init__(self, *args, epochs, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.epochs = epochs
+
+    def __iter__(self):
+        self.epochs.begin_epoch()
+        return super().__iter__()
+
+
+def _summarize_epoch(dataset, epoch: int) -> None:
+    if epoch > 0 and getattr(dataset, "bad_input", None) is not None:
+        dataset.bad_input.summarize_epoch(f"after epoch {epoch - 1}")
+
+
+class DataModule(L.LightningDataModule):
+    """Training (and optional validation) data from `target:`/`params:` dataset configs.
+
+    Batches are {"image": float32 (B, 3, H, W) in [-1, 1], "caption": list[str]}.
+
+    train: {target, params} of the training dataset (lun.data.local.Local,
+        lun.data.webdataset.WebDataset, lun.data.webdataset.Parquet, or any map-style dataset
+        of such items); may also hold per-split loader settings (batch_size, num_workers, ...).
+    validation: the same for validation; optional.
+    test: the same for `trainer.test` after training; optional.
+    batch_size: images per batch on each device.
+    num_workers: DataLoader worker processes per device.
+    persistent_workers: keep workers alive between epochs; default true when num_workers > 0.
+    pin_memory: page-locked batches for faster host-to-GPU copies.
+    seed: seed of the data order; default the seed given to seed_everything, else 0.
+    """
+
+    def __init__(
+        self,
+        train: dict,
+        validation: dict | None = None,
+        test: dict | None = None,
+        batch_size: int = 1,
+        num_workers: int = 0,
+        persistent_workers: bool | None = None,
+        pin_memory: bool = False,
+        seed: int | None = None,
+    ):
+        super().__init__()
+        self.configs = {"train": train, "validation": validation, "test": test}
+        self.defaults = {
+            "batch_size": batch_size,
+            "num_workers": num_workers,
+            "persistent_workers": persistent_workers,
+            "pin_memory": pin_memory,
+        }
+        self.seed = seed
+        self.datasets = {}
+        self.orderings = {}  # split -> the BucketBatchSampler or stream that orders its batches
+        self._resume = {}
+        # As LightningDataModule.from_datasets does: a split's loader hook exists only when the
+        # split is configured, so Lightning runs (and warns about) no loop for a missing one.
+        if validation is not None:
+            self.val_dataloader = functools.partial(self._loader, "validation", train=False)
+        if test is not None:
+            self.test_dataloader = functools.partial(self._loader, "test", train=False)
+
+    def setup(self, stage: str | None = None) -> None:
+        splits = {
+            "fit": ("train", "validation"),
+            "validate": ("validation",),
+            "test": ("test",),
+            None: ("train", "validation", "test"),
+        }
+        for split in splits.get(stage, ()):
+            if self.configs[split] is not None and split not in self.datasets:
+                self.datasets[split] = instantiate_from_config(self.configs[split])
+
+    def _settings(self, split: str) -> dict:
+        config = self.configs[split]
+        unknown = set(config) - {"target", "params", *LOADER_KEYS}
+        if unknown:
+            raise ValueError(
+                f"data.params.{split}: unknown key(s) {sorted(unknown)}; loader keys: {LOADER_KEYS}"
+            )
+        settings = {key: config.get(key, self.defaults[key]) for key in LOADER_KEYS}
+        if settings["persistent_workers"] is None:
+            settings["persistent_workers"] = settings["num_workers"] > 0
+        settings["persistent_workers"] = bool(
+            settings["persistent_workers"] and settings["num_workers"] > 0
+        )
+        return settings
+
+    def _rank_and_world_size(self) -> tuple[int, int]:
+        trainer = self.trainer
+        if trainer is not None:
+            connector = getattr(trainer, "_accelerator_connector", None)
+            if trainer.world_size > 1 and getattr(connector, "use_distributed_sampler", False):
+                raise ValueError(
+                    "lun.data.DataModule splits batches across ranks itself: build the Trainer "
+                    "with use_distributed_sampler=False "
+                    "(lightning.trainer.use_distributed_sampler: false)"
+                )
+            return trainer.global_rank, trainer.world_size
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return 0, 1
+
+    def _loader(self, split: str, train: bool) -> DataLoader:
+        if split not in self.datasets:
+            self.setup({"train": "fit", "validation": "validate", "test": "test"}[split])
+        dataset, settings = self.datasets[split], self._settings(split)
+        rank, world_size = self._rank_and_world_size()
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))
+        loader_args = {
+            "num_workers": settings["num_workers"],
+            "persistent_workers": settings["persistent_workers"],
+            "pin_memory": settings["pin_memory"],
+            "worker_init_fn": functools.partial(seed_worker, rank=rank),
+        }
+        if isinstance(dataset, IterableDataset):
+            if not hasattr(dataset, "configure"):
+                raise TypeError(
+                    f"{type(dataset).__name__} is an IterableDataset without rank sharding; "
+                    "use lun.data.webdataset.WebDataset / Parquet, or a map-style dataset"
+                )
+            dataset.configure(
+                settings["batch_size"], shuffle=train, seed=seed, rank=rank, world_size=world_size
+            )
+            ordering = dataset
+            # Each worker of our streams has its own quota, so their __len__ is exact.
+            warnings.filterwarnings(
+                "ignore", message="Your `IterableDataset` has `__len__` defined"
+            )
+            loader = EpochLoader(dataset, batch_size=None, epochs=ordering, **loader_args)
+        else:
+            groups = getattr(dataset, "batch_groups", None)
+            ordering = BucketBatchSampler(
+                np.zeros(len(dataset), dtype=np.int64) if groups is None else groups,
+                settings["batch_size"],
+                shuffle=train,
+                seed=seed,
+                rank=rank,
+                world_size=world_size,
+                on_epoch_start=functools.partial(_summarize_epoch, dataset) if train else None,
+            )
+            loader = EpochLoader(dataset, batch_sampler=ordering, epochs=ordering, **loader_args)
+        if train and "train" in self._resume:
+            ordering.load_state_dict(self._resume.pop("train"))
+        self.orderings[split] = ordering
+        return loader
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train", train=True)
+
+    def state_dict(self) -> dict:
+        """{"train": {epoch, position, world_size, num_batches, seed}}; see the module docstring."""
+        ordering = self.orderings.get("train")
+        if ordering is None:
+            return {}
+        state = ordering.state_dict()
+        trainer = self.trainer
+        if trainer is not None and getattr(trainer, "fit_loop", None) is not None:
+            state["position"] = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            if state["position"] >= trainer.num_training_batches:  # e.g. limit_train_batches
+                state["position"] = state["num_batches"]  # the epoch is over: resume at the next
+        return {"train": state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Resume the data position saved by `state_dict` (applied when the loader is built)."""
+        self._resume = dict(state_dict)
+        if "train" in self._resume and "train" in self.orderings:
+            self.orderings["train"].load_state_dict(self._resume.pop("train"))
+        # Lightning warns that a mid-epoch resume is inexact unless the DataLoader object itself
+        # is stateful; here the state lives in this DataModule, and the resume is exact.
+        warnings.filterwarnings(
+            "ignore", message="You're resuming from a checkpoint that ended before the epoch ended"
+        )
+
+    def teardown(self, stage: str | None = None) -> None:
+        for dataset in self.datasets.values():
+            if getattr(dataset, "bad_input", None) is not None:
+                dataset.bad_input.summarize_epoch("at the end")

@@ -1,0 +1,194 @@
+"""Finding a folder dataset's files fast, and remembering what was found.
+
+One `os.scandir` walk lists every file with its size and mtime; no image is opened unless aspect
+ratios are needed (buckets, `aspect_range`, `verify_images`). The finished index is cached as JSON
+under a hash of that listing (plus the options that shape it), so the next start on an unchanged
+folder costs one walk and one JSON read, and any added, removed or rewritten file rebuilds it.
+"""
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from lun.data.images import IMAGE_EXTENSIONS, ImageError, image_size
+
+logger = logging.getLogger("lun.data")
+
+CACHE_VERSION = 1
+# Header reads are mostly I/O waits (network file systems especially); threads overlap them.
+HEADER_THREADS = 16
+
+
+class StringArray:
+    """An immutable list of strings in one bytes buffer plus offsets.
+
+    A Python list of a million strings is a million refcounted objects; DataLoader workers forked
+    from the main process touch those refcounts and slowly copy the whole list into each worker.
+    Two numpy arrays have no such objects, so the memory stays shared.
+    """
+
+    def __init__(self, strings):
+        encoded = [s.encode("utf-8") for s in strings]
+        self._offsets = np.cumsum([0] + [len(b) for b in encoded], dtype=np.int64)
+        self._buffer = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index: int) -> str:
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return self._buffer[start:end].tobytes().decode("utf-8")
+
+
+def walk(root: str) -> list[tuple[str, int, int]]:
+    """(path relative to root with "/" separators, size, mtime_ns) of each file, sorted.
+
+    Hidden files and folders (".DS_Store", macOS "._name.jpg" resource forks, caches) are left
+    out; symlinked folders are followed once (a link loop is not walked twice).
+    """
+    listing, stack, seen = [], [(root, "")], set()
+    while stack:
+        folder, prefix = stack.pop()  # prefix: the folder relative to root, "" or ending in "/"
+        real = os.path.realpath(folder)
+        if real in seen:
+            continue
+        seen.add(real)
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as err:
+            logger.warning("cannot list %s: %s", folder, err)
+            continue
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            try:
+                if entry.is_dir():
+                    stack.append((entry.path, f"{prefix}{entry.name}/"))
+                elif entry.is_file():
+                    stat = entry.stat()
+                    listing.append((prefix + entry.name, stat.st_size, stat.st_mtime_ns))
+            except OSError as err:  # a dangling symlink or a file removed while walking
+                logger.debug("cannot stat %s: %s", entry.path, err)
+    listing.sort()
+    return listing
+
+
+def describe_listing(listing) -> str:
+    """What a folder holds, by extension, for the "no usable items" error."""
+    counts = Counter(os.path.splitext(rel)[1].lower() or "(no extension)" for rel, _, _ in listing)
+    if not counts:
+        return "no files at all"
+    return ", ".join(f"{n} {ext}" for ext, n in counts.most_common(8))
+
+
+def default_cache_dir() -> str:
+    """$LUN_CACHE_DIR, else $XDG_CACHE_HOME/lun/index, else ~/.cache/lun/index."""
+    if os.environ.get("LUN_CACHE_DIR"):
+        return os.environ["LUN_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lun", "index")
+
+
+def cache_key(root: str, listing, options: dict) -> str:
+    digest = hashlib.sha256()
+    digest.update(
+        json.dumps([CACHE_VERSION, os.path.abspath(root), options], sort_keys=True).encode()
+    )
+    for rel, size, mtime in listing:
+        digest.update(f"{rel}\0{size}\0{mtime}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def load_cached(cache_dir: str | None, key: str) -> dict | None:
+    if not cache_dir:
+        return None
+    path = os.path.join(cache_dir, f"{key}.json")
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:  # a half-written or foreign file: rebuild
+        logger.info("ignoring index cache %s: %s", path, err)
+        return None
+
+
+def save_cached(cache_dir: str | None, key: str, index: dict) -> None:
+    """Write atomically (temp file + rename); a read-only cache folder only costs speed."""
+    if not cache_dir:
+        return
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            json.dump(index, file, ensure_ascii=False)
+        os.replace(tmp, os.path.join(cache_dir, f"{key}.json"))
+    except OSError as err:
+        logger.info(
+            "cannot write the index cache in %s (%s); indexing again next time", cache_dir, err
+        )
+
+
+def is_image(rel: str) -> bool:
+    return rel.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def flat_records(listing) -> tuple[dict, list]:
+    """Images under `images/` (or the root when there is no such folder) with their captions.
+
+    The caption of `images/a/b.png` is `captions/a/b.txt`, else `images/a/b.txt` beside it.
+    Returns columns {"image", "caption" (None when missing)} and [(path, reason, detail)] skipped.
+    """
+    sizes = {rel: size for rel, size, _ in listing}
+    prefix = "images/" if any(rel.startswith("images/") for rel in sizes) else ""
+    records, skipped = {"image": [], "caption": []}, []
+    for rel, size in sizes.items():
+        if not rel.startswith(prefix) or not is_image(rel):
+            continue
+        if not prefix and rel.startswith(("captions/", "metadata/")):
+            continue
+        if size == 0:
+            skipped.append((rel, "zero bytes", ""))
+            continue
+        stem = os.path.splitext(rel)[0]
+        candidates = (f"captions/{stem[len(prefix) :]}.txt", f"{stem}.txt")
+        records["image"].append(rel)
+        records["caption"].append(next((c for c in candidates if c in sizes), None))
+    return records, skipped
+
+
+def read_aspects(root: str, records: dict, max_pixels: int) -> list:
+    """Fill records["aspect"] (width / height, EXIF-upright) from image headers where missing.
+
+    Images whose header cannot be read are dropped from `records`; returns their
+    [(path, reason, detail)].
+    """
+    aspects = records.setdefault("aspect", [None] * len(records["image"]))
+    todo = [i for i, a in enumerate(aspects) if a is None]
+
+    def read(i):
+        try:
+            width, height = image_size(os.path.join(root, records["image"][i]), max_pixels)
+            return width / height
+        except ImageError as err:
+            return err
+
+    with ThreadPoolExecutor(HEADER_THREADS) as pool:
+        for i, result in zip(todo, pool.map(read, todo)):
+            aspects[i] = result
+    bad = [i for i in todo if isinstance(aspects[i], ImageError)]
+    skipped = [(records["image"][i], aspects[i].reason, aspects[i].detail) for i in bad]
+    keep_rows(records, [i for i in range(len(aspects)) if not isinstance(aspects[i], ImageError)])
+    return skipped
+
+
+def keep_rows(records: dict, rows) -> None:
+    """Keep only `rows` (indices, in order) of every column, in place."""
+    for column, values in records.items():
+        records[column] = [values[i] for i in rows]

@@ -1,0 +1,249 @@
+"""lun.data.local.Local: a dataset from a local folder, in flat-file or metadata mode.
+
+Flat files (no `metadata_params`):
+
+    data_root/images/**/<name>.<png|jpg|jpeg|webp|bmp>
+    data_root/captions/**/<name>.txt     (same relative path; or <name>.txt beside the image)
+
+Metadata (`metadata_params` given): data_root/metadata/**/*.json, see lun/data/metadata.py.
+
+Bad input never stops a run. Zero-byte files, malformed or incomplete JSON and (when headers are
+read) non-images are left out at indexing; an image that fails to decode at load time is replaced
+by another sample. Each such file is named once in the log (logger "lun.data") and counted in the
+summaries after indexing and at every epoch boundary.
+"""
+
+import logging
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from lun.data.buckets import BucketSpec, assign_buckets, make_buckets
+from lun.data.images import (
+    CROPS,
+    DEFAULT_MAX_PIXELS,
+    INTERPOLATIONS,
+    ImageError,
+    check_choice,
+    load_image_tensor,
+)
+from lun.data.index import (
+    StringArray,
+    cache_key,
+    default_cache_dir,
+    describe_listing,
+    flat_records,
+    keep_rows,
+    load_cached,
+    read_aspects,
+    save_cached,
+    walk,
+)
+from lun.data.metadata import MetadataParams, build_caption, metadata_records, select
+from lun.data.report import BadInputLog
+
+logger = logging.getLogger("lun.data")
+
+TAG_JOINER = "\x1f"  # ASCII unit separator: cannot occur in a tag typed by a person
+# A sample whose image fails is replaced by the next readable one; this many fresh failures in a
+# row mean the folder itself is unreadable (a lost mount), and that must stop the run.
+MAX_FRESH_FAILURES = 64
+
+
+class Local(torch.utils.data.Dataset):
+    """Images and captions from a local folder; items are {"image": (3, H, W) float32 in [-1, 1],
+    "caption": str}.
+
+    data_root: the dataset folder (see the module docstring for its layout).
+    size: output side in pixels; images are resized to cover size x size and cropped.
+    interpolation: resampling filter - "bilinear", "bicubic" or "lanczos".
+    flip_p: probability of a horizontal flip.
+    crop: "center" or "random" (where the crop window sits in the resized image).
+    caption_dropout: probability that a sample's caption is "" (for classifier-free guidance).
+    metadata_params: absent for flat files; a mapping of lun.data.metadata.MetadataParams for
+        metadata mode (score and tag filters, tag shuffling, replacements, aspect_range ...).
+    limit_images: use at most this many items (a fixed random subset), e.g. for a quick test.
+    missing_caption: flat files only - an image without a caption trains with "" and a warning
+        ("empty"), or is left out ("skip").
+    buckets: aspect-ratio buckets - `true` or {area, step, max_aspect} (see
+        lun.data.buckets.BucketSpec); each image is resized to cover its bucket and cropped, and
+        batches hold one bucket each.
+    verify_images: read every image header at indexing, so non-images are left out up front
+        (always done when buckets or aspect_range need the sizes).
+    cache_dir: where the index is cached (default $LUN_CACHE_DIR or ~/.cache/lun/index;
+        `false` disables the cache). Point it beside the logs to keep runs self-contained.
+    max_image_pixels: images with more pixels are refused as decompression bombs.
+    """
+
+    def __init__(
+        self,
+        data_root: str,
+        size: int = 512,
+        interpolation: str = "bicubic",
+        flip_p: float = 0.0,
+        crop: str = "center",
+        caption_dropout: float = 0.0,
+        metadata_params: dict | None = None,
+        limit_images: int | None = None,
+        missing_caption: str = "empty",
+        buckets: bool | dict | None = None,
+        verify_images: bool = False,
+        cache_dir: str | bool | None = None,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+    ):
+        if not os.path.isdir(data_root):
+            raise FileNotFoundError(f"data_root {data_root!r} is not a folder")
+        for name, value in (("flip_p", flip_p), ("caption_dropout", caption_dropout)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name}={value}: expected a probability in [0, 1]")
+        self.data_root, self.size = data_root, int(size)
+        self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
+        self.crop = check_choice("crop", crop, CROPS)
+        self.missing_caption = check_choice("missing_caption", missing_caption, ("empty", "skip"))
+        self.flip_p, self.caption_dropout = flip_p, caption_dropout
+        self.max_image_pixels = max_image_pixels
+        self.metadata = None
+        if metadata_params is not None:
+            self.metadata = MetadataParams.from_config(metadata_params)
+        bucket_spec = BucketSpec.from_config(buckets, self.size) if buckets else None
+        self.bad_input = BadInputLog(data_root)
+
+        aspect_range = self.metadata.aspect_range if self.metadata else None
+        need_aspect = bool(buckets or verify_images or aspect_range)
+        cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+        listing, records = self._index(need_aspect, cache_dir)
+        captions = self._captions_of(records)
+        rows = range(len(records["image"]))
+        if limit_images is not None and limit_images < len(rows):
+            rows = sorted(random.Random(0).sample(rows, int(limit_images)))
+        if not rows:
+            raise ValueError(
+                f"no usable items in {data_root}: found {describe_listing(listing)}; "
+                f"{self.bad_input.describe()}. Expected images/**/<name>.png|jpg|jpeg|webp|bmp "
+                "with captions/**/<name>.txt"
+                + (", and metadata/**/*.json naming them (metadata mode)" if self.metadata else "")
+            )
+        self._images = StringArray(records["image"][i] for i in rows)
+        # Flat files: the caption file's path; metadata: the caption tags joined by TAG_JOINER.
+        self._captions = StringArray(captions[i] or "" for i in rows)
+        if bucket_spec is not None:
+            self.bucket_sizes = make_buckets(bucket_spec)
+            aspects = [records["aspect"][i] for i in rows]
+            self.batch_groups = assign_buckets(aspects, self.bucket_sizes)
+        else:
+            self.bucket_sizes = [(self.size, self.size)]
+            self.batch_groups = np.zeros(len(rows), dtype=np.int64)
+        self.bad_input.track_items(len(rows))
+        self.bad_input.summarize_index(len(rows))
+
+    def _index(self, need_aspect: bool, cache_dir) -> tuple[list, dict]:
+        """Walk the folder and build its records, or load them from the cache."""
+        start = time.perf_counter()
+        listing = walk(self.data_root)
+        every_nth = self.metadata.consider_every_nth if self.metadata else None
+        options = {
+            "metadata": self.metadata is not None,
+            "every_nth": every_nth,
+            "aspect": need_aspect,
+        }
+        if need_aspect:  # header reads refuse images above the limit: a new limit, a new index
+            options["max_pixels"] = self.max_image_pixels
+        key = cache_key(self.data_root, listing, options)
+        index = load_cached(cache_dir or None, key)
+        cached = index is not None
+        if index is None:
+            if self.metadata is None:
+                records, skipped = flat_records(listing)
+            else:
+                records, skipped = metadata_records(self.data_root, listing, every_nth)
+            if need_aspect:
+                skipped += read_aspects(self.data_root, records, self.max_image_pixels)
+            index = {"records": records, "skipped": skipped}
+            save_cached(cache_dir or None, key, index)
+        for rel, reason, detail in index["skipped"]:
+            self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
+        logger.info(
+            "%s: indexed %d files in %.2f s%s",
+            self.data_root,
+            len(listing),
+            time.perf_counter() - start,
+            " (from cache)" if cached else "",
+        )
+        return listing, index["records"]
+
+    def _captions_of(self, records: dict) -> list[str | None]:
+        """Apply the caption rules, dropping rows from `records` in place; one entry per row.
+
+        Flat files: the caption file's path (None: none found - kept with a warning, or left out).
+        Metadata: the score and tag filters, then the caption tags joined by TAG_JOINER.
+        """
+        if self.metadata is not None:
+            rows, tag_lists, filtered = select(records, self.metadata)
+            keep_rows(records, rows)
+            if filtered:
+                why = ", ".join(f"{n} {reason}" for reason, n in filtered.items())
+                logger.info("%s: filtered out %s", self.data_root, why)
+            return [TAG_JOINER.join(tags) for tags in tag_lists]
+        keep = []
+        for row, (image, caption) in enumerate(zip(records["image"], records["caption"])):
+            if caption is None:
+                path = os.path.join(self.data_root, image)
+                if self.missing_caption == "skip":
+                    self.bad_input.skip(path, "no caption")
+                    continue
+                self.bad_input.warn(path, "no caption", "trained with an empty caption")
+            keep.append(row)
+        keep_rows(records, keep)
+        return records["caption"]
+
+    def __len__(self) -> int:
+        return len(self._images)
+
+    def item_size(self, index: int) -> tuple[int, int]:
+        """(width, height) of item `index` - its bucket, or size x size."""
+        return self.bucket_sizes[int(self.batch_groups[index])]
+
+    def caption(self, index: int) -> str:
+        """The caption of item `index`, drawn afresh (tag shuffle) in metadata mode."""
+        stored = self._captions[index]
+        if self.metadata is not None:
+            return build_caption(stored.split(TAG_JOINER) if stored else [], self.metadata)
+        if not stored:
+            return ""
+        with open(os.path.join(self.data_root, stored), "rb") as file:
+            return file.read().decode("utf-8-sig", errors="replace").strip()
+
+    def _load(self, index: int, size: tuple[int, int]) -> dict:
+        path = os.path.join(self.data_root, self._images[index])
+        image = load_image_tensor(
+            path, size, self.interpolation, self.crop, self.flip_p, max_pixels=self.max_image_pixels
+        )  # (3, H, W)
+        caption = self.caption(index)
+        if self.caption_dropout > 0 and random.random() < self.caption_dropout:
+            caption = ""
+        return {"image": image, "caption": caption}
+
+    def __getitem__(self, index: int) -> dict:
+        """Item `index`, or - if its files cannot be read - the next readable item, resized to
+        `index`'s size so that it still fits `index`'s bucket."""
+        size, fresh_failures = self.item_size(index), 0
+        for offset in range(len(self)):
+            candidate = (index + offset) % len(self)
+            if self.bad_input.is_known_bad(candidate):
+                continue
+            try:
+                return self._load(candidate, size)
+            except (ImageError, OSError) as err:
+                self.bad_input.load_failed(
+                    candidate, os.path.join(self.data_root, self._images[candidate]), err
+                )
+                fresh_failures += 1
+                if fresh_failures >= MAX_FRESH_FAILURES:
+                    break
+        raise RuntimeError(
+            f"{self.data_root}: {fresh_failures} images in a row failed to load, "
+            f"{int(self.bad_input.failed.sum())} of {len(self)} in all - is the folder readable?"
+        )

@@ -1,0 +1,219 @@
+"""Metadata mode: one JSON file per image with tags and a score, filtered and made into captions.
+
+`data_root/metadata/**/*.json`, each `{"tags": [...], "score": N, "path": "images/..."}` (the path
+relative to data_root; extra keys are ignored, and `width`/`height` or `aspect_ratio`, when
+present, spare opening the image for `aspect_range` and buckets). Filtering by score and tags
+happens once at indexing; the caption - tag shuffling - is drawn afresh for every sample.
+"""
+
+import dataclasses
+import difflib
+import json
+import os
+import posixpath
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+from lun.data.index import is_image
+
+
+@dataclass(frozen=True)
+class MetadataParams:
+    """The `metadata_params:` of lun.data.local.Local (absent = flat-file mode).
+
+    consider_every_nth: use only every n-th JSON file in sorted order (e.g. a validation subset).
+    shuffle_tag_p: probability that a sample's tags are shuffled (drawn for every sample).
+    keep_tokens: the first N caption tags keep their place when tags are shuffled.
+    blacklist_tags: images with any of these tags are left out.
+    non_caption_tags: tags removed from the caption (they still count for filters and bonuses).
+    replacements: {substring: replacement} applied in order to every caption tag, e.g.
+        {"artist:": "by ", ":": "="}; a tag replaced by "" is dropped.
+    tag_separator: joins the tags into the caption.
+    abs_min_score: images scoring below this are left out, checked before bonuses.
+    min_score: images scoring below this after `tag_bonus_scores` are left out.
+    tag_bonus_scores: {tag: bonus} added to the score for `min_score`, to favour or disfavour tags.
+    score_tags: thresholds; the caption gets `scrN` for the highest threshold N that the (raw)
+        score reaches (score >= N), e.g. [100, 50, 25] and score 70 -> "scr50".
+    aspect_range: [min, max] width / height; images outside are left out.
+    """
+
+    consider_every_nth: int | None = None
+    shuffle_tag_p: float = 0.0
+    keep_tokens: int = 0
+    blacklist_tags: tuple = ()
+    non_caption_tags: tuple = ()
+    replacements: dict = field(default_factory=dict)
+    tag_separator: str = ", "
+    abs_min_score: float | None = None
+    min_score: float | None = None
+    tag_bonus_scores: dict = field(default_factory=dict)
+    score_tags: tuple = ()
+    aspect_range: tuple | None = None
+
+    @classmethod
+    def from_config(cls, config) -> "MetadataParams":
+        """Validate a `metadata_params:` mapping; unknown keys fail with the nearest known name."""
+        config = dict(config or {})
+        known = [f.name for f in dataclasses.fields(cls)]
+        for key in config:
+            if key not in known:
+                near = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean {near[0]!r}?" if near else ""
+                raise ValueError(f"metadata_params: unknown key {key!r}{hint}")
+        for key in ("blacklist_tags", "non_caption_tags", "score_tags"):
+            config[key] = tuple(config.get(key) or ())
+        for key in ("replacements", "tag_bonus_scores"):
+            config[key] = dict(config.get(key) or {})
+        params = cls(**config)
+        if not 0.0 <= params.shuffle_tag_p <= 1.0:
+            raise ValueError(f"metadata_params.shuffle_tag_p={params.shuffle_tag_p}: expected 0..1")
+        if params.consider_every_nth is not None and params.consider_every_nth < 1:
+            raise ValueError("metadata_params.consider_every_nth: expected an integer >= 1")
+        if params.aspect_range is not None:
+            low, high = params.aspect_range
+            if not 0 < low <= high:
+                raise ValueError(
+                    f"metadata_params.aspect_range={list(params.aspect_range)}: need 0 < min <= max"
+                )
+        return params
+
+
+class MetadataError(ValueError):
+    """A metadata file that cannot be used: `reason` is the category, `detail` the specifics."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason} ({detail})" if detail else reason)
+        self.reason, self.detail = reason, detail
+
+
+def _number(value) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def parse_metadata(raw: bytes) -> dict:
+    """{"path", "tags", "score", "aspect" (None unless given)} from one JSON file's bytes."""
+    try:
+        meta = json.loads(raw.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise MetadataError("malformed JSON", str(err)) from None
+    if not isinstance(meta, dict):
+        raise MetadataError("malformed JSON", f"expected an object, got {type(meta).__name__}")
+    missing = [key for key in ("tags", "score", "path") if key not in meta]
+    if missing:
+        raise MetadataError("missing field", ", ".join(missing))
+    tags, score, path = meta["tags"], _number(meta["score"]), meta["path"]
+    if isinstance(tags, str):  # some exporters write "a, b, c"
+        tags = [tag.strip() for tag in tags.split(",") if tag.strip()]
+    if not isinstance(tags, list) or not all(isinstance(tag, str) for tag in tags):
+        raise MetadataError("malformed field", "'tags' must be a list of strings")
+    if score is None:
+        raise MetadataError("malformed field", f"'score' must be a number, got {meta['score']!r}")
+    if not isinstance(path, str) or not path:
+        raise MetadataError("malformed field", "'path' must be a non-empty string")
+    width, height, ratio = (_number(meta.get(key)) for key in ("width", "height", "aspect_ratio"))
+    aspect = width / height if width and height and width > 0 and height > 0 else None
+    if aspect is None and ratio and ratio > 0:
+        aspect = ratio
+    return {"path": path, "tags": tags, "score": score, "aspect": aspect}
+
+
+def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, list]:
+    """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json`, and the
+    [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing)."""
+    sizes = {rel: size for rel, size, _ in listing}
+    files = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
+    files = files[:: every_nth or 1]
+    records = {"image": [], "tags": [], "score": [], "aspect": []}
+    skipped = []
+    for rel in files:
+        try:
+            with open(os.path.join(root, rel), "rb") as file:
+                meta = parse_metadata(file.read())
+            image = posixpath.normpath(meta["path"].replace("\\", "/"))
+            if not is_image(image):
+                raise MetadataError("unsupported image type", image)
+            size = sizes.get(image)
+            if size is None and os.path.isfile(os.path.join(root, image)):  # outside the walk
+                size = os.path.getsize(os.path.join(root, image))
+            if size is None:
+                raise MetadataError("image not found", image)
+            if size == 0:
+                raise MetadataError("zero-byte image", image)
+        except MetadataError as err:
+            skipped.append((rel, err.reason, err.detail))
+            continue
+        except OSError as err:
+            skipped.append((rel, "unreadable", str(err)))
+            continue
+        records["image"].append(image)
+        records["tags"].append(meta["tags"])
+        records["score"].append(meta["score"])
+        records["aspect"].append(meta["aspect"])
+    return records, skipped
+
+
+def _threshold_name(threshold) -> str:
+    return f"{threshold:g}" if isinstance(threshold, float) else str(threshold)
+
+
+def select(records: dict, params: MetadataParams) -> tuple[list[int], list[list[str]], Counter]:
+    """Rows that pass the score and tag filters, their caption tags, and why others were left out.
+
+    Caption tags: the image's tags in their JSON order, minus `non_caption_tags`, with
+    `replacements` applied, then the score tag.
+    """
+    blacklist, hidden = set(params.blacklist_tags), set(params.non_caption_tags)
+    thresholds = sorted(params.score_tags, reverse=True)
+    rows, captions, filtered = [], [], Counter()
+    for row, (tags, score, aspect) in enumerate(
+        zip(records["tags"], records["score"], records["aspect"])
+    ):
+        if params.abs_min_score is not None and score < params.abs_min_score:
+            filtered["below abs_min_score"] += 1
+            continue
+        tag_set = set(tags)
+        if blacklist & tag_set:
+            filtered["blacklisted tag"] += 1
+            continue
+        bonus = sum(
+            float(value) for tag, value in params.tag_bonus_scores.items() if tag in tag_set
+        )
+        if params.min_score is not None and score + bonus < params.min_score:
+            filtered["below min_score"] += 1
+            continue
+        if params.aspect_range is not None and not (
+            params.aspect_range[0] <= aspect <= params.aspect_range[1]
+        ):
+            filtered["outside aspect_range"] += 1
+            continue
+        caption = []
+        for tag in tags:
+            if tag in hidden:
+                continue
+            for old, new in params.replacements.items():
+                tag = tag.replace(old, new)
+            if tag:
+                caption.append(tag)
+        reached = next((t for t in thresholds if score >= t), None)
+        if reached is not None:
+            caption.append(f"scr{_threshold_name(reached)}")
+        rows.append(row)
+        captions.append(caption)
+    return rows, captions, filtered
+
+
+def build_caption(tags: list[str], params: MetadataParams, rng: random.Random | None = None) -> str:
+    """Join the caption tags, first shuffling all but the first `keep_tokens` with probability
+    `shuffle_tag_p` - a fresh draw for every sample, so each epoch sees other orders."""
+    rng = rng or random
+    if params.shuffle_tag_p > 0 and rng.random() < params.shuffle_tag_p:
+        head, tail = tags[: params.keep_tokens], list(tags[params.keep_tokens :])
+        rng.shuffle(tail)
+        tags = head + tail
+    return params.tag_separator.join(tags)

@@ -1,0 +1,525 @@
+"""Large sets as streams of shards: WebDataset tar shards and Parquet files.
+
+Both yield whole batches ({"image": (B, 3, H, W) in [-1, 1], "caption": list[str]}) from an
+IterableDataset, so lun.data.DataModule loads them with `batch_size=None`:
+
+- Shards are split across (rank, worker) slots: every slot reads different shards (in a new order
+  each epoch) and cycles through them until it has produced its quota, so every rank yields exactly
+  `len(dataset)` = ceil(num_examples_to_see / (batch_size * world_size)) batches - no rank waits
+  at the epoch's end.
+- Samples pass the metadata `filters` before any image is decoded, then a shuffle buffer.
+- Everything is deterministic per (seed, epoch, slot), so a resumed run skips the consumed batches
+  without decoding them (exact while world size and num_workers stay the same, and while no
+  image in the skipped part fails to decode).
+- A sample with an undecodable image or missing a filtered key is dropped, counted, and named once
+  per worker in the log (logger "lun.data"); each worker summarises its drops after each epoch.
+"""
+
+import io
+import itertools
+import json
+import logging
+import os
+import random
+import re
+from collections import Counter
+
+import torch
+from braceexpand import braceexpand
+from torch.utils.data import default_collate, get_worker_info
+
+from lun.data.buckets import resume_point
+from lun.data.images import (
+    CROPS,
+    DEFAULT_MAX_PIXELS,
+    INTERPOLATIONS,
+    ImageError,
+    check_choice,
+    load_image_tensor,
+)
+
+logger = logging.getLogger("lun.data")
+
+IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")
+_FILTER = re.compile(r"^\s*(>=|<=|==|!=|>|<)\s*(.*?)\s*$")
+_COMPARE = {
+    ">=": lambda a, b: a >= b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    "<": lambda a, b: a < b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+}
+# Consecutive undecodable images after which the stream is declared broken rather than skipped.
+MAX_FRESH_FAILURES = 1000
+
+
+def parse_filters(filters) -> list[tuple[str, str, float | str]]:
+    """{key: ">=512", pwatermark: "<=0.5", status: "success"} -> [(key, op, operand)].
+
+    Operators: >=, <=, >, <, ==, != ; a bare value means ==. Numeric operands compare numerically.
+    Dotted keys ("exif.width") reach into nested metadata.
+    """
+    parsed = []
+    for key, spec in dict(filters or {}).items():
+        match = _FILTER.match(str(spec)) if isinstance(spec, str) else None
+        op, operand = (match.group(1), match.group(2)) if match else ("==", spec)
+        try:
+            operand = float(operand)
+        except (TypeError, ValueError):
+            if op not in ("==", "!="):
+                raise ValueError(f"filters.{key}={spec!r}: {op} needs a number") from None
+            operand = str(operand)
+        parsed.append((str(key), op, operand))
+    return parsed
+
+
+def _lookup(meta: dict, dotted: str):
+    value = meta
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def check_filters(meta: dict, filters) -> str | None:
+    """None if `meta` passes every filter, else why not ("missing <key>" or "<key> <op> <x>")."""
+    for key, op, operand in filters:
+        value = _lookup(meta, key)
+        if value is None:
+            return f"missing {key}"
+        if isinstance(operand, float):
+            try:
+                value = float(value)
+            except (TypeError, ValueError):
+                return f"non-numeric {key}"
+        else:
+            value = str(value)
+        if not _COMPARE[op](value, operand):
+            return (
+                f"{key} not {op} {operand:g}"
+                if isinstance(operand, float)
+                else f"{key} not {op} {operand}"
+            )
+    return None
+
+
+def load_prompts(idx_to_prompt) -> dict[str, list[str]] | None:
+    """Class index -> prompts, from a JSON file path or an inline mapping/list.
+
+    {"0": "tench", "1": ["goldfish", "a goldfish"]} or ["tench", "goldfish", ...]; with several
+    prompts for a class, each sample draws one.
+    """
+    if idx_to_prompt is None:
+        return None
+    if isinstance(idx_to_prompt, str):
+        with open(idx_to_prompt, encoding="utf-8") as file:
+            idx_to_prompt = json.load(file)
+    items = (
+        enumerate(idx_to_prompt) if isinstance(idx_to_prompt, list) else dict(idx_to_prompt).items()
+    )
+    return {str(k): [v] if isinstance(v, str) else [str(p) for p in v] for k, v in items}
+
+
+def shuffle_buffer(samples, size: int, rng: random.Random, initial: int = 100):
+    """Approximately shuffle an endless iterator: hold up to `size` samples, emit a random one.
+
+    Emitting starts once `initial` samples are held and the buffer keeps growing by one per step
+    until `size` (as webdataset's shuffle does), so the first batch does not wait for a full buffer.
+    """
+    buffer = []
+    for sample in samples:
+        buffer.append(sample)
+        if len(buffer) < size:
+            buffer.append(next(samples))
+        if len(buffer) >= min(size, initial):
+            index = rng.randrange(len(buffer))
+            buffer[index], buffer[-1] = buffer[-1], buffer[index]
+            yield buffer.pop()
+
+
+class ShardStream(torch.utils.data.IterableDataset):
+    """Common machinery of WebDataset and Parquet: sharding, quotas, filters, decoding, resume.
+
+    Subclasses provide `shard_list()` and `read_shard(shard)`, which yields raw samples
+    {"key", "image": bytes | None, "caption": str | None, "cls": value | None, "meta": dict}.
+    """
+
+    def __init__(
+        self,
+        num_examples_to_see: int,
+        size: int,
+        interpolation: str,
+        crop: str,
+        flip_p: float,
+        caption_dropout: float,
+        filters,
+        idx_to_prompt,
+        shuffle_buffer: int,
+        max_image_pixels: int,
+    ):
+        if not num_examples_to_see or int(num_examples_to_see) < 1:
+            raise ValueError(
+                "num_examples_to_see: samples per epoch, a positive integer, is required"
+            )
+        self.num_examples_to_see, self.size = int(num_examples_to_see), int(size)
+        self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
+        self.crop = check_choice("crop", crop, CROPS)
+        self.flip_p, self.caption_dropout = flip_p, caption_dropout
+        self.max_image_pixels = max_image_pixels
+        self.filters = parse_filters(filters)
+        self.prompts = load_prompts(idx_to_prompt)
+        self.shuffle_buffer = int(shuffle_buffer)
+        # [epoch, epoch to skip in, batches to skip] in shared memory: persistent DataLoader workers
+        # keep their own copy of this object, and must still see the epoch the main process set.
+        self._state = torch.zeros(3, dtype=torch.int64).share_memory_()
+        self._epoch_chosen = True
+        self._reported = set()  # sample keys this worker has named in the log
+        self.configure(batch_size=1)
+
+    def configure(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        """Set by lun.data.DataModule before loading: batch size, order, and this process's rank."""
+        self.batch_size, self.shuffle, self.seed = int(batch_size), shuffle, int(seed)
+        self.rank, self.world_size = int(rank), int(world_size)
+
+    def __len__(self) -> int:
+        """Batches per rank per epoch."""
+        return -(-self.num_examples_to_see // (self.batch_size * self.world_size))
+
+    # -- epochs and resume (main process) --------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        self._state[0] = epoch
+        self._epoch_chosen = True
+
+    def begin_epoch(self) -> None:
+        """Called each time a DataLoader starts iterating: the chosen epoch first, then the next."""
+        if not self._epoch_chosen:
+            self._state[0] += 1
+        self._epoch_chosen = False
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": int(self._state[0]),
+            "position": 0,
+            "world_size": self.world_size,
+            "num_batches": len(self),
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        epoch, position = resume_point(state, len(self), self.world_size)
+        self._state[:] = torch.tensor([epoch, epoch, position])
+        self._epoch_chosen = True
+
+    # -- the stream (worker processes) -----------------------------------------------------------
+    def _my_shards(self, epoch: int, slot: int, slots: int) -> list:
+        shards = list(self.shard_list())
+        if self.shuffle:
+            random.Random(f"{self.seed}/{epoch}").shuffle(shards)
+        mine = shards[slot::slots]
+        if not mine:
+            if slot == 0:
+                logger.warning(
+                    "%d shards for %d rank x worker slots: slots share shards", len(shards), slots
+                )
+            mine = [shards[slot % len(shards)]]
+        return mine
+
+    def _prepared(self, shards: list, rng: random.Random, counts: Counter):
+        """Endless raw samples that pass the cheap checks (image present, filters, class prompt)."""
+        for cycle in itertools.count():
+            if cycle and self.shuffle:
+                rng.shuffle(shards)
+            passed = 0
+            for shard in shards:
+                for raw in self._read_logged(shard, counts):
+                    why = self._reject(raw)
+                    if why is not None:
+                        counts[why] += 1
+                        continue
+                    passed += 1
+                    yield raw
+            if not passed:
+                raise RuntimeError(f"no usable samples in shards {shards[:3]}...: {dict(counts)}")
+
+    def _read_logged(self, shard, counts: Counter):
+        try:
+            yield from self.read_shard(shard)
+        except Exception as err:  # a truncated or unreachable shard must not end the run
+            counts["unreadable shard"] += 1
+            logger.warning(
+                "shard %s: %s: %s (continuing with the next shard)", shard, type(err).__name__, err
+            )
+
+    def _reject(self, raw: dict) -> str | None:
+        if raw["image"] is None:
+            return "no image"
+        if self.prompts is not None and str(raw["cls"]) not in self.prompts:
+            return "no class prompt"
+        return check_filters(raw["meta"], self.filters) if self.filters else None
+
+    def _item(self, raw: dict) -> dict:
+        """Decode one sample. Its random draws use the worker-seeded `random` module, not the
+        ordering rng, so skipping samples on resume leaves the order of the rest unchanged."""
+        size = (self.size, self.size)
+        image = load_image_tensor(
+            io.BytesIO(raw["image"]),
+            size,
+            self.interpolation,
+            self.crop,
+            self.flip_p,
+            max_pixels=self.max_image_pixels,
+        )  # (3, H, W)
+        if self.prompts is not None:
+            caption = random.choice(self.prompts[str(raw["cls"])])
+        else:
+            caption = raw["caption"] or ""
+        if self.caption_dropout > 0 and random.random() < self.caption_dropout:
+            caption = ""
+        return {"image": image, "caption": caption}
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        epoch, skip_epoch, consumed = (int(v) for v in self._state.tolist())
+        consumed = consumed if epoch == skip_epoch else 0
+        # The DataLoader takes batches round-robin from worker 0 on: batch j of the epoch comes from
+        # the worker in role j % workers. After a resume at batch k, worker 0 must play role
+        # k % workers, and each role skips the batches it had already delivered.
+        role = (worker + consumed) % workers
+        per_rank = len(self)
+        quota = per_rank // workers + (role < per_rank % workers)
+        skip = consumed // workers + (role < consumed % workers)
+        slot, slots = self.rank * workers + role, self.world_size * workers
+        rng = random.Random(f"{self.seed}/{epoch}/{slot}")  # the order, and nothing else
+        counts = Counter()
+        samples = self._prepared(self._my_shards(epoch, slot, slots), rng, counts)
+        if self.shuffle and self.shuffle_buffer > 1:
+            samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
+        for _ in range(skip * self.batch_size):  # resume: skipped without decoding
+            next(samples)
+        yield from self._batches(samples, quota - skip, counts)
+        if counts:
+            logger.info("rank %d worker %d epoch %d: %s", self.rank, worker, epoch, dict(counts))
+
+    def _batches(self, samples, count: int, counts: Counter):
+        """`count` batches of decoded samples; undecodable ones are dropped and named once."""
+        batch, fresh_failures = [], 0
+        while count > 0:
+            raw = next(samples)
+            try:
+                batch.append(self._item(raw))
+            except ImageError as err:
+                counts[err.reason] += 1
+                fresh_failures += 1
+                if raw["key"] not in self._reported:
+                    self._reported.add(raw["key"])
+                    logger.warning("dropped %s: %s", raw["key"], err)
+                if fresh_failures >= MAX_FRESH_FAILURES:
+                    raise RuntimeError(f"{fresh_failures} undecodable images in a row") from err
+                continue
+            fresh_failures = 0
+            if raw["caption"] is None and self.prompts is None:
+                counts["no caption (trained with '')"] += 1
+            if len(batch) == self.batch_size:
+                yield default_collate(batch)
+                batch, count = [], count - 1
+
+
+def expand_urls(urls) -> list[str]:
+    """Brace-expand one pattern or a list of them: "shards/{000..099}.tar", "pipe:curl -s ..."."""
+    patterns = [urls] if isinstance(urls, str) else list(urls)
+    return [url for pattern in patterns for url in braceexpand(pattern)]
+
+
+class WebDataset(ShardStream):
+    """WebDataset tar shards: `<key>.jpg|jpeg|png|webp` + `<key>.txt` (+ `<key>.json` metadata,
+    + `<key>.cls` in class-conditional mode), e.g. as written by img2dataset.
+
+    urls: shard pattern(s) in brace notation - local paths, or `pipe:` commands writing a tar to
+        stdout ("pipe:aws s3 cp s3://bucket/{00000..00999}.tar -").
+    num_examples_to_see: samples per epoch over all ranks (sets the epoch's length).
+    size, interpolation, crop, flip_p, caption_dropout: as in lun.data.local.Local.
+    filters: {json_key: ">=512", pwatermark: "<=0.5"}; samples missing a filtered key are dropped.
+    idx_to_prompt: class-conditional mode (ImageNet-style): a JSON file or mapping from the `cls`
+        value to a prompt or list of prompts, which becomes the caption.
+    shuffle_buffer: samples held for shuffling within each worker's stream.
+    max_image_pixels: images with more pixels are dropped as decompression bombs.
+    """
+
+    def __init__(
+        self,
+        urls,
+        num_examples_to_see: int,
+        size: int = 512,
+        interpolation: str = "bicubic",
+        crop: str = "center",
+        flip_p: float = 0.0,
+        caption_dropout: float = 0.0,
+        filters: dict | None = None,
+        idx_to_prompt=None,
+        shuffle_buffer: int = 1000,
+        max_image_pixels: int = DEFAULT_MAX_PIXELS,
+    ):
+        self.urls = expand_urls(urls)
+        missing = [
+            u
+            for u in self.urls
+            if "://" not in u and not u.startswith("pipe:") and not os.path.exists(u)
+        ]
+        for url in missing:
+            logger.warning("shard %s does not exist; left out", url)
+        self.urls = [u for u in self.urls if u not in set(missing)]
+        if not self.urls:
+            raise ValueError(
+                f"no shards found for urls={urls!r} ({len(missing)} listed, none exists)"
+            )
+        super().__init__(
+            num_examples_to_see,
+            size,
+            interpolation,
+            crop,
+            flip_p,
+            caption_dropout,
+            filters,
+            idx_to_prompt,
+            shuffle_buffer,
+            max_image_pixels,
+        )
+
+    def shard_list(self) -> list[str]:
+        return self.urls
+
+    def read_shard(self, url: str):
+        from webdataset.gopen import gopen
+        from webdataset.tariterators import group_by_keys, tar_file_iterator
+
+        stream = gopen(url) if "://" in url or url.startswith("pipe:") else open(url, "rb")
+        try:
+            files = ({**f, "__url__": url} for f in tar_file_iterator(stream))
+            for sample in group_by_keys(files):
+                image = next((sample[k] for k in IMAGE_KEYS if k in sample), None)
+                meta = {}
+                if "json" in sample:
+                    try:
+                        meta = json.loads(sample["json"])
+                    except ValueError:
+                        meta = {}
+                caption = (
+                    sample["txt"].decode("utf-8", errors="replace").strip()
+                    if "txt" in sample
+                    else None
+                )
+                cls = (
+                    sample["cls"].decode("utf-8", errors="replace").strip()
+                    if "cls" in sample
+                    else meta.get("cls")
+                )
+                key = f"{url}:{sample['__key__']}"
+                yield {
+                    "key": key,
+                    "image": image,
+                    "caption": caption,
+                    "cls": cls,
+                    "meta": meta if isinstance(meta, dict) else {},
+                }
+        finally:
+            stream.close()
+
+
+class Parquet(ShardStream):
+    """Parquet files with encoded image bytes and a caption column (LAION-style exports,
+    Hugging Face datasets); each row group is one shard. Needs `pip install pyarrow`.
+
+    paths: file pattern(s) in brace notation.
+    image_column: binary column of encoded images, or a struct with a `bytes` field (the
+        Hugging Face Image feature).
+    caption_column: string column of captions.
+    class_column: with `idx_to_prompt`, the column holding the class index.
+    num_examples_to_see: samples per epoch over all ranks; default all rows.
+    filters: as in WebDataset, on the other columns (`{aesthetic: ">=5"}`).
+    Other parameters as in WebDataset.
+    """
+
+    def __init__(
+        self,
+        paths,
+        image_column: str = "image",
+        caption_column: str = "caption",
+        class_column: str = "label",
+        num_examples_to_see: int | None = None,
+        size: int = 512,
+        interpolation: str = "bicubic",
+        crop: str = "center",
+        flip_p: float = 0.0,
+        caption_dropout: float = 0.0,
+        filters: dict | None = None,
+        idx_to_prompt=None,
+        shuffle_buffer: int = 1000,
+    ):
+        parquet = _pyarrow_parquet()
+        self.columns = {"image": image_column, "caption": caption_column, "cls": class_column}
+        self.row_groups, rows = [], 0
+        for path in expand_urls(paths):
+            try:
+                metadata = parquet.ParquetFile(path).metadata
+            except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError)
+                logger.warning("parquet file %s unreadable, left out: %s", path, err)
+                continue
+            self.row_groups += [(path, i) for i in range(metadata.num_row_groups)]
+            rows += metadata.num_rows
+        if not self.row_groups:
+            raise ValueError(f"no readable parquet files for paths={paths!r}")
+        super().__init__(
+            num_examples_to_see or rows,
+            size,
+            interpolation,
+            crop,
+            flip_p,
+            caption_dropout,
+            filters,
+            idx_to_prompt,
+            shuffle_buffer,
+            DEFAULT_MAX_PIXELS,
+        )
+
+    def shard_list(self) -> list[tuple[str, int]]:
+        return self.row_groups
+
+    def read_shard(self, shard: tuple[str, int]):
+        path, group = shard
+        file = _pyarrow_parquet().ParquetFile(path)
+        names = set(file.schema_arrow.names)
+        wanted = [c for c in self.columns.values() if c in names]
+        wanted += [k.split(".")[0] for k, _, _ in self.filters if k.split(".")[0] in names]
+        for index, row in enumerate(
+            file.read_row_group(group, columns=sorted(set(wanted))).to_pylist()
+        ):
+            image = row.get(self.columns["image"])
+            if isinstance(image, dict):
+                image = image.get("bytes")
+            yield {
+                "key": f"{path}[{group}:{index}]",
+                "image": image,
+                "caption": row.get(self.columns["caption"]),
+                "cls": row.get(self.columns["cls"]),
+                "meta": row,
+            }
+
+
+def _pyarrow_parquet():
+    try:
+        import pyarrow.parquet as parquet
+    except ImportError:
+        raise ImportError(
+            "lun.data.webdataset.Parquet needs pyarrow: pip install pyarrow"
+        ) from None
+    return parquet
