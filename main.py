@@ -49,6 +49,13 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        from lun.callbacks.nan_guard import NonFiniteLossError  # imported here: Lightning is slow to import
+
+        if not isinstance(err, NonFiniteLossError):
+            raise
+        print(f"training stopped: {err}", file=sys.stderr)  # the guard saved the last good state
+        return 1
 
 
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:

@@ -131,6 +131,8 @@ class LatentDiffusion(pl.LightningModule):
         self.downscale = 2 ** (
             len(first_stage_config.get("params", {}).get("ddconfig", {}).get("ch_mult", [1])) - 1
         )
+        # Image sides must survive the VAE's and then the UNet's downsampling without remainder.
+        self.size_multiple = self.downscale * 2 ** (len(unet_config["params"]["channel_mult"]) - 1)
 
         self.model = DiffusionWrapper(instantiate_from_config(unet_config))
         self.first_stage_model = instantiate_from_config(first_stage_config)
@@ -292,9 +294,10 @@ class LatentDiffusion(pl.LightningModule):
         """Generate images (B, 3, H, W) in [-1, 1] for `prompts` (img2img when `init_images`)."""
         height = height or self.latent_size * self.downscale
         width = width or self.latent_size * self.downscale
-        if height % self.downscale or width % self.downscale:
+        if height % self.size_multiple or width % self.size_multiple:
             raise ValueError(
-                f"height and width must be multiples of {self.downscale}, got {height}x{width}"
+                f"height and width must be multiples of {self.size_multiple} for this model, "
+                f"got {height}x{width}"
             )
         b = len(prompts)
         context = self.get_learned_conditioning(prompts)

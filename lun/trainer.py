@@ -30,21 +30,31 @@ def trainer_kwargs(lightning_cfg: dict) -> dict[str, Any]:
             hint = f"; did you mean '{near[0]}'?" if near else ""
             raise ConfigError(f"lightning.trainer.{key}: not a Trainer argument{hint}")
     kwargs.setdefault("accelerator", "auto")
-    if lightning_cfg.get("strategy"):
-        kwargs["strategy"] = _build_strategy(lightning_cfg["strategy"])
+    # lun.data's samplers split batches across ranks themselves (and resume mid-epoch).
+    kwargs.setdefault("use_distributed_sampler", False)
+    # `lightning.strategy` (the presets' place) wins over `lightning.trainer.strategy`.
+    strategy = lightning_cfg.get("strategy") or kwargs.get("strategy")
+    if strategy:
+        kwargs["strategy"] = _build_strategy(strategy)
     return kwargs
 
 
 def _build_strategy(strategy_cfg):
-    """`lightning.strategy` is a name ('ddp') or a `{target, params}` mapping."""
-    if isinstance(strategy_cfg, str):
-        return strategy_cfg
-    return instantiate_from_config(strategy_cfg)
+    """`lightning.strategy` is a name ('ddp') or a `{target, params}` mapping; DeepSpeed and FSDP
+    become the adapters of `lun.strategies` (which also run on CPU)."""
+    from lun.strategies import build_strategy
+
+    try:
+        return build_strategy(strategy_cfg)
+    except ImportError as err:  # e.g. DeepSpeed asked for and not installed
+        raise ConfigError(f"lightning.strategy: {err}") from None
 
 
 def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool) -> list:
     """Default callbacks merged with `lightning.callbacks` (same name overrides, null removes)."""
     configs = default_callback_configs(str(run.root), has_validation, use_ema=use_ema)
+    if lightning_cfg.get("logger") is False:
+        configs.pop("learning_rate_logger")  # it has nowhere to log
     for name, cfg in (lightning_cfg.get("callbacks") or {}).items():
         if cfg is None:
             configs.pop(name, None)

@@ -1,16 +1,21 @@
 """Shared fixtures: a tiny generated image set and the tiny LatentDiffusion config."""
 
-import subprocess
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]  # scripts and test helpers import by name
+
+from run_helpers import run_main  # noqa: E402
 
 torch.set_num_threads(2)
+# Dataset index caches of test runs (and their launcher subprocesses) stay out of ~/.cache.
+os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
 
 @pytest.fixture(scope="session")
@@ -26,12 +31,6 @@ def shapes_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_config() -> Path:
     return ROOT / "configs" / "tiny" / "ldm.yaml"
-
-
-def run_main(args: list[str], cwd: Path, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """Run `python main.py ARGS` in a subprocess (how users run it)."""
-    return subprocess.run([sys.executable, str(ROOT / "main.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, **kwargs)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_main
+from run_helpers import ROOT, run_main
 
 
 def data_root(shapes_dir):
