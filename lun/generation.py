@@ -16,6 +16,7 @@ from PIL.PngImagePlugin import PngInfo
 from ldm import checkpoint
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
+from lun.images import make_grid
 
 SAMPLER_NAMES = {"ddim": "DDIM", "plms": "PLMS", "euler": "Euler", "euler_a": "Euler a",
                  "heun": "Heun", "dpmpp_2m": "DPM++ 2M"}
@@ -107,17 +108,6 @@ def to_pil(image: torch.Tensor) -> Image.Image:
     return Image.fromarray(array)
 
 
-def make_grid(images: torch.Tensor, nrow: int, padding: int = 2) -> torch.Tensor:
-    """(N, 3, H, W) -> (3, rows*(H+p)+p, nrow*(W+p)+p) with black padding."""
-    n, c, h, w = images.shape
-    rows = -(-n // nrow)
-    grid = images.new_full((c, rows * (h + padding) + padding, nrow * (w + padding) + padding), -1.0)
-    for i, image in enumerate(images):
-        y, x = padding + (i // nrow) * (h + padding), padding + (i % nrow) * (w + padding)
-        grid[:, y:y + h, x:x + w] = image
-    return grid
-
-
 def save_png(image: Image.Image, path: Path, parameters: str | None = None) -> None:
     info = None
     if parameters is not None:
@@ -173,7 +163,7 @@ def generate(args, init_images: torch.Tensor | None = None, extra_params: dict |
     if not args.skip_grid:
         grid_count = len(list(outdir.glob("grid-*.png")))
         grid = make_grid(torch.cat(all_images), nrow=args.n_samples)
-        save_png(to_pil(grid), outdir / f"grid-{grid_count:04d}.png")
+        save_png(Image.fromarray(grid), outdir / f"grid-{grid_count:04d}.png")
     print(f"wrote {len(written)} images to {sample_dir}")
     return written
 

@@ -10,7 +10,8 @@ from PIL import Image
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lun.callbacks.ema import EMA, find_ema
-from lun.callbacks.image_logger import ImageLogger, make_grid
+from lun.callbacks.image_logger import ImageLogger
+from lun.images import make_grid
 
 
 def test_make_grid_layout_and_values():
