@@ -5,6 +5,10 @@
     # a diffusers pipeline folder (needs `pip install diffusers`)
     python scripts/convert.py logs/<run>/checkpoints/last.ckpt --to-diffusers out/pipeline
 
+The checkpoint may be a file or the folder that DeepSpeed (any ZeRO stage) or sharded FSDP write:
+its shards are merged into one float32 state dict in CPU memory first, so the output is always
+one file in the original layout.
+
 --ema writes the EMA weights as the model weights; --prune keeps weights only (drops EMA shadows,
 optimizer and loop state); --half / --bf16 store floating weights in fp16 / bf16.
 """
@@ -19,6 +23,7 @@ from ldm import checkpoint
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 from lun.generation import find_config
+from lun.strategies import load_training_checkpoint
 
 
 def convert_state(state: dict, ema: bool, prune: bool) -> dict:
@@ -46,16 +51,22 @@ def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: 
     tmp.replace(path)
 
 
-def export_diffusers(state: dict, config_paths: list, out_dir: Path) -> None:
-    """Write a `StableDiffusionPipeline` folder with diffusers' own converters."""
+def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
+    """Write a `StableDiffusionPipeline` folder with diffusers' own converters.
+
+    `original`: the model's config as a dict (`{"model": {"target", "params"}}`)."""
     try:
-        from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers import (
+            AutoencoderKL,
+            DDIMScheduler,
+            StableDiffusionPipeline,
+            UNet2DConditionModel,
+        )
         from diffusers.loaders import single_file_utils as sfu
     except ImportError:
         raise ImportError("--to-diffusers needs diffusers: pip install diffusers") from None
     from transformers import CLIPTextModel
 
-    original = to_container(merge_configs(config_paths))
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
     encoder = model.cond_stage_model
@@ -88,7 +99,7 @@ def export_diffusers(state: dict, config_paths: list, out_dir: Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", help="our Lightning .ckpt (or any SD checkpoint)")
+    parser.add_argument("ckpt", help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint)")
     parser.add_argument("out", nargs="?", help="output .safetensors or .ckpt")
     parser.add_argument("--ema", action="store_true", help="write the EMA weights as the model weights")
     parser.add_argument("--prune", action="store_true", help="weights only: no EMA shadows, optimizer, loops")
@@ -102,7 +113,7 @@ def main(argv=None) -> None:
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")
     try:
-        contents = checkpoint.load_file_state(args.ckpt, unsafe=args.unsafe_load)
+        contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.out:
@@ -110,7 +121,8 @@ def main(argv=None) -> None:
             print(f"wrote {args.out} ({len(state)} tensors)")
         if args.to_diffusers:
             configs = [args.config] if args.config else find_config(Path(args.ckpt))
-            export_diffusers(checkpoint.without_ema(state), configs, Path(args.to_diffusers))
+            original = to_container(merge_configs(configs))
+            export_diffusers(checkpoint.without_ema(state), original, Path(args.to_diffusers))
             print(f"wrote diffusers pipeline to {args.to_diffusers}")
     except (FileNotFoundError, KeyError, ValueError, ImportError) as err:
         sys.exit(f"error: {str(err).strip(chr(39))}")

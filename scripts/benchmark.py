@@ -1,0 +1,269 @@
+"""Speed and memory of our models against diffusers, measured side by side in one run.
+
+    python scripts/benchmark.py                    # everything (about 10 min on 2 CPU cores)
+    python scripts/benchmark.py --only train --steps 3
+
+Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we are faster):
+- train: one UNet training step (forward + backward + AdamW) at the SD-v1 structure with reduced
+  width (model_channels 128, 32x32 latents, context 77x768, batch 4), fp32 and bf16 autocast.
+  Both models hold the same weights (ours converted with diffusers' own converter). Achieved
+  FLOP/s (FlopCounterMode) and its share of this machine's matmul peak at that dtype.
+- memory: peak memory of that step (RSS on CPU, max allocated on CUDA), ours vs diffusers, and
+  how much of the step's activation memory gradient checkpointing saves. Each model runs in its
+  own process so one's allocations do not hide the other's.
+- sampling: seconds per 256x256 image with classifier-free guidance, 20-step DPM++ 2M and
+  50-step DDIM, our sampler vs diffusers' StableDiffusionPipeline on the same converted weights.
+- data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 1024 px JPEG -> 512).
+Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ldm.util import instantiate_from_config
+
+BATCH, LATENT, CONTEXT = 4, 32, (77, 768)
+UNET_PARAMS = {  # SD v1 structure, width 128 instead of 320
+    "in_channels": 4, "out_channels": 4, "model_channels": 128, "attention_resolutions": [4, 2, 1],
+    "num_res_blocks": 2, "channel_mult": [1, 2, 4, 4], "num_heads": 8, "use_spatial_transformer": True,
+    "transformer_depth": 1, "context_dim": 768, "legacy": False,
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def original_config(unet_params: dict) -> dict:
+    """An original-style config (as diffusers' converters read it) around our UNet params."""
+    return {"model": {"params": {
+        "linear_start": 0.00085, "linear_end": 0.012, "timesteps": 1000, "scale_factor": 0.18215, "image_size": 32,
+        "unet_config": {"target": "ldm.unet.UNetModel", "params": unet_params},
+        "first_stage_config": {"target": "ldm.autoencoder.AutoencoderKL", "params": {
+            "embed_dim": 4, "ddconfig": {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3,
+                                         "out_ch": 3, "ch": 64, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 1,
+                                         "attn_resolutions": [], "dropout": 0.0}}},
+        "cond_stage_config": {"target": "ldm.text_encoder.FrozenCLIPEmbedder", "params": {"config": {
+            "hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 12}}},
+    }}}
+
+
+def build_unets(device, gradient_checkpointing=False):
+    """Our UNet and diffusers' UNet2DConditionModel with the same weights."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, create_unet_diffusers_config_from_ldm
+
+    torch.manual_seed(0)
+    ours = instantiate_from_config({"target": "ldm.unet.UNetModel", "params": UNET_PARAMS})
+    state = {"model.diffusion_model." + k: v for k, v in ours.state_dict().items()}
+    config = create_unet_diffusers_config_from_ldm(original_config(UNET_PARAMS), state)
+    theirs = UNet2DConditionModel(**config)
+    theirs.load_state_dict(convert_ldm_unet_checkpoint(state, config))
+    if gradient_checkpointing:
+        ours.set_gradient_checkpointing(True)
+        theirs.enable_gradient_checkpointing()
+    return ours.to(device).train(), theirs.to(device).train()
+
+
+def inputs(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g)
+    t = torch.randint(0, 1000, (BATCH,), generator=g)
+    context = torch.randn(BATCH, *CONTEXT, generator=g)
+    target = torch.randn(x.shape, generator=g)
+    return [v.to(device) for v in (x, t, context, target)]
+
+
+def forward(model, x, t, context):
+    if hasattr(model, "dtype") and type(model).__name__ == "UNet2DConditionModel":
+        return model(x, t, encoder_hidden_states=context).sample
+    return model(x, t, context=context)
+
+
+def train_step(model, optimizer, batch, dtype):
+    x, t, context, target = batch
+    with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = F.mse_loss(forward(model, x, t, context).float(), target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_seconds(fn, device, steps, warmup) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak(device, dtype, n=2048, reps=10) -> float:
+    """FLOP/s of a large square matmul: the machine's practical peak at this dtype."""
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = median_seconds(lambda: a @ b, device, reps, 2)
+    return 2 * n**3 / seconds
+
+
+def step_flops(model, batch) -> int:
+    x, t, context, target = batch
+    with FlopCounterMode(display=False) as counter:
+        F.mse_loss(forward(model, x, t, context).float(), target).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def train_section(args, device) -> list[str]:
+    rows = ["| UNet train step (batch 4, 32x32, ch 128) | dtype | img/s | vs diffusers | TFLOP/s | of matmul peak |",
+            "|---|---|---|---|---|---|"]
+    ours, theirs = build_unets(device)
+    batch = inputs(device)
+    flops = {"ours": step_flops(ours, batch), "diffusers": step_flops(theirs, batch)}
+    for name, dtype in DTYPES.items():
+        peak = matmul_peak(device, dtype)
+        results = {}
+        for label, model in (("diffusers", theirs), ("ours", ours)):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+            results[label] = median_seconds(lambda m=model, o=optimizer: train_step(m, o, batch, dtype), device,
+                                            args.steps, args.warmup)
+        for label in ("diffusers", "ours"):
+            achieved = flops[label] / results[label]
+            ratio = results["diffusers"] / results[label]
+            rows.append(f"| {label} | {name} | {BATCH / results[label]:.2f} | {ratio:.2f}x | "
+                        f"{achieved / 1e12:.3f} | {achieved / peak:.0%} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
+def memory_child(which: str, checkpointing: bool, device) -> None:
+    """Runs in its own process: prints peak and activation memory of one training step (bytes)."""
+    ours, theirs = build_unets(device, gradient_checkpointing=checkpointing)
+    model = ours if which == "ours" else theirs
+    del ours, theirs
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    batch = inputs(device)
+    train_step(model, optimizer, batch, torch.float32)  # allocates the optimizer state
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        train_step(model, optimizer, batch, torch.float32)
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # resets the peak RSS (VmHWM)
+        before = _proc_status("VmRSS")
+        train_step(model, optimizer, batch, torch.float32)
+        peak = _proc_status("VmHWM")
+    print(json.dumps({"peak": peak, "activations": peak - before}))
+
+
+def _proc_status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def memory_section(args, device) -> list[str]:
+    rows = ["| UNet train step memory (fp32) | peak | activations | vs diffusers (peak) |", "|---|---|---|---|"]
+    measured = {}
+    for which in ("diffusers", "ours"):
+        for checkpointing in (False, True):
+            out = subprocess.run([sys.executable, __file__, "--memory-child", which, "--device", str(device)]
+                                 + (["--checkpointing"] if checkpointing else []),
+                                 capture_output=True, text=True, check=True)
+            measured[which, checkpointing] = json.loads(out.stdout.strip().splitlines()[-1])
+    for which in ("diffusers", "ours"):
+        for checkpointing in (False, True):
+            m = measured[which, checkpointing]
+            ratio = m["peak"] / measured["diffusers", checkpointing]["peak"]
+            label = which + (" + gradient checkpointing" if checkpointing else "")
+            rows.append(f"| {label} | {m['peak'] / 2**20:.0f} MiB | {m['activations'] / 2**20:.0f} MiB | {ratio:.2f}x |")
+    saved = 1 - measured["ours", True]["activations"] / measured["ours", False]["activations"]
+    rows.append(f"| ours: activation memory saved by gradient checkpointing | {saved:.0%} | | |")
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def sampling_section(args, device) -> list[str]:
+    from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from convert import export_diffusers
+
+    config = original_config(UNET_PARAMS)
+    torch.manual_seed(0)
+    model = instantiate_from_config({"target": "ldm.diffusion.LatentDiffusion", **config["model"]}).eval().to(device)
+    with tempfile.TemporaryDirectory() as folder:
+        export_diffusers(model.state_dict(), copy.deepcopy(config), Path(folder))
+        pipe = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    ddim = pipe.scheduler
+    dpm = DPMSolverMultistepScheduler.from_config(ddim.config)
+    rows = ["| sampling 256x256, CFG 7.5 | steps | ours s/img | diffusers s/img | ratio |", "|---|---|---|---|---|"]
+    prompt = "a red circle on a white background"
+    for sampler, steps, scheduler in (("dpmpp_2m", 20, dpm), ("ddim", 50, ddim)):
+        pipe.scheduler = scheduler
+        with torch.no_grad():
+            ours = median_seconds(lambda s=sampler, n=steps: model.sample([prompt], height=256, width=256, sampler=s,
+                                                                          steps=n, scale=7.5), device, args.sample_runs, 1)
+            theirs = median_seconds(lambda n=steps: pipe(prompt, height=256, width=256, num_inference_steps=n,
+                                                         guidance_scale=7.5, output_type="pt"), device, args.sample_runs, 1)
+        rows.append(f"| {sampler} | {steps} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def data_section(args) -> list[str]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from benchmark_data import loader_table
+
+    torch.set_num_threads(1)
+    data_args = argparse.Namespace(sizes=[1024], target=512, n=64, workers=[0, 2], repeats=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        return loader_table(data_args, Path(tmp))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=["train", "memory", "sampling", "data"],
+                        default=["train", "memory", "sampling", "data"])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sample-runs", type=int, default=2)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.memory_child:
+        memory_child(args.memory_child, args.checkpointing, device)
+        return
+    print(f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    sections = {"train": train_section, "memory": memory_section, "sampling": sampling_section}
+    tables = [sections[name](args, device) for name in args.only if name in sections]
+    if "data" in args.only:
+        tables.append(data_section(args))
+    print()
+    for table in tables:
+        print("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
