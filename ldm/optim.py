@@ -1,5 +1,6 @@
 """Optimizers and learning-rate schedules (multipliers stepped once per optimizer step)."""
 
+import importlib.util
 import itertools
 import math
 
@@ -21,13 +22,10 @@ def build_optimizer(params, lr: float, config: dict | None = None) -> torch.opti
     config = dict(config or {})
     target = OPTIMIZER_ALIASES.get(config.get("target", "adamw"), config.get("target"))
     kwargs = {"weight_decay": 1e-2, **(config.get("params") or {})}
-    try:
-        optimizer_class = get_obj_from_str(target)
-    except ModuleNotFoundError as err:
-        raise ImportError(
-            f"optimizer '{target}' needs the package '{err.name}': pip install {err.name}"
-        ) from None
-    return optimizer_class(params, lr=lr, **kwargs)
+    package = target.split(".")[0]
+    if importlib.util.find_spec(package) is None:
+        raise ImportError(f"optimizer '{target}' needs the package '{package}': pip install {package}")
+    return get_obj_from_str(target)(params, lr=lr, **kwargs)
 
 
 class WarmupScheduler:

@@ -1,0 +1,48 @@
+import sys
+
+import pytest
+import torch
+
+from ldm.optim import LambdaLinearScheduler, WarmupScheduler, build_optimizer, build_scheduler
+
+
+def test_warmup_then_cosine_and_linear():
+    cosine = WarmupScheduler("cosine", warmup_steps=10, total_steps=110, min_factor=0.1)
+    assert cosine(0) == pytest.approx(0.1) and cosine(9) == pytest.approx(1.0)
+    assert cosine(60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert cosine(110) == pytest.approx(0.1) and cosine(500) == pytest.approx(0.1)
+    linear = WarmupScheduler("linear", warmup_steps=0, total_steps=100)
+    assert linear(25) == pytest.approx(0.75)
+    assert WarmupScheduler("constant", warmup_steps=4)(100) == 1.0
+    with pytest.raises(ValueError, match="total_steps"):
+        WarmupScheduler("cosine")
+
+
+def test_original_lambda_linear_scheduler():
+    """The values the original ldm.lr_scheduler.LambdaLinearScheduler gives for SD's config."""
+    schedule = LambdaLinearScheduler(warm_up_steps=[100], f_min=[1.0], f_max=[1.0], f_start=[1e-6],
+                                     cycle_lengths=[10_000_000_000_000])
+    assert schedule(0) == pytest.approx(1e-6)
+    assert schedule(50) == pytest.approx(1e-6 + (1 - 1e-6) * 0.5)
+    assert schedule(100) == pytest.approx(1.0) and schedule(10**6) == pytest.approx(1.0)
+
+
+def test_scheduler_steps_per_optimizer_step():
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = build_optimizer([param], lr=1.0)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["weight_decay"] == 0.01
+    config = {"target": "ldm.optim.WarmupScheduler", "params": {"kind": "constant", "warmup_steps": 4}}
+    scheduler = build_scheduler(optimizer, config)
+    assert scheduler["interval"] == "step"
+    lrs = []
+    for _ in range(5):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler["scheduler"].step()
+    assert lrs == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_8bit_adamw_without_bitsandbytes_names_the_package(monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
+    with pytest.raises(ImportError, match="pip install bitsandbytes"):
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=1e-4, config={"target": "adamw8bit"})
