@@ -86,6 +86,12 @@ class LatentDiffusion(pl.LightningModule):
             `ldm.optim.WarmupScheduler` or the original `LambdaLinearScheduler`.
         ckpt_path: weights to start from (original SD `.ckpt`/`.safetensors` or ours);
             load_ema: start from its EMA weights instead of the raw ones.
+        first_stage_fp32: run the VAE in its own (float32) weights with autocast off under mixed
+            precision; the SD VAE overflows in fp16. Its latents come back in the input's dtype.
+        channels_last: keep the UNet's weights and inputs in channels-last memory format (faster
+            convolutions on tensor-core GPUs).
+        compile_unet: `torch.compile` the UNet in place (names, and so checkpoints, unchanged):
+            true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
     """
 
     def __init__(
@@ -108,6 +114,9 @@ class LatentDiffusion(pl.LightningModule):
         scheduler_config=None,
         ckpt_path=None,
         load_ema=False,
+        first_stage_fp32=True,
+        channels_last=False,
+        compile_unet=None,
         **original_options,
     ):
         super().__init__()
@@ -157,6 +166,12 @@ class LatentDiffusion(pl.LightningModule):
         if ckpt_path:
             checkpoint.load_weights(self, ckpt_path, ema=load_ema)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
+        self.first_stage_fp32, self.channels_last = first_stage_fp32, channels_last
+        if channels_last:
+            self.model.diffusion_model.to(memory_format=torch.channels_last)
+        if compile_unet:
+            self.model.diffusion_model.compile(**({} if compile_unet is True else compile_unet))
+        self._loss_window: tuple[list, list] = ([], [])  # per-sample losses, t of this step
         self.train()
 
     def train(self, mode: bool = True):
@@ -170,12 +185,23 @@ class LatentDiffusion(pl.LightningModule):
     @torch.no_grad()
     def encode_first_stage(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """(B, 3, H, W) in [-1, 1] -> scaled latent (B, C, H/f, W/f), sampled from the posterior."""
-        return self.first_stage_model.encode(images).sample(generator) * self.scale_factor
+        def encode(x):
+            return self.first_stage_model.encode(x).sample(generator)
+
+        return self._run_first_stage(encode, images) * self.scale_factor
 
     @torch.no_grad()
     def decode_first_stage(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latent -> images (B, 3, H, W), roughly in [-1, 1]."""
-        return self.first_stage_model.decode(latents / self.scale_factor)
+        return self._run_first_stage(self.first_stage_model.decode, latents / self.scale_factor)
+
+    def _run_first_stage(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """`fn(x)` in the VAE's weight dtype with autocast off (`first_stage_fp32`), in x's dtype."""
+        weight = next(self.first_stage_model.parameters(), None)
+        if not self.first_stage_fp32 or weight is None:
+            return fn(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return fn(x.to(weight.dtype)).to(x.dtype)
 
     def get_learned_conditioning(self, texts: list[str]) -> torch.Tensor:
         """Captions -> cross-attention context (B, 77, D); no graph unless the encoder trains."""
@@ -185,13 +211,16 @@ class LatentDiffusion(pl.LightningModule):
     def apply_model(
         self, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor
     ) -> torch.Tensor:
+        if self.channels_last:
+            x_t = x_t.contiguous(memory_format=torch.channels_last)
         return self.model(x_t, t, context=context)
 
     # --- training ----------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
         loss, per_sample, t = self.diffusion_loss(batch)
+        per_sample, t = self._accumulation_window(per_sample, t, batch_idx)
         batch_size = per_sample.shape[0]
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        self.log("train/loss", per_sample.mean(), prog_bar=True, batch_size=batch_size)
         bucket = t * TIMESTEP_BUCKETS // self.num_timesteps
         for b in bucket.unique().tolist():
             lo, hi = (
@@ -206,6 +235,22 @@ class LatentDiffusion(pl.LightningModule):
                 batch_size=int((bucket == b).sum()),
             )
         return loss
+
+    def _accumulation_window(self, per_sample: torch.Tensor, t: torch.Tensor, batch_idx: int):
+        """Per-sample losses and t of all micro-batches of this optimizer step so far.
+
+        With gradient accumulation Lightning logs once per optimizer step, the value logged by
+        its last micro-batch: logging the whole window makes that the loss of every sample the
+        step's gradient came from (as without accumulation), not of the last micro-batch only.
+        """
+        accumulate = self.trainer.accumulate_grad_batches if self._trainer is not None else 1
+        if accumulate == 1:
+            return per_sample, t
+        if batch_idx % accumulate == 0:
+            self._loss_window = ([], [])
+        self._loss_window[0].append(per_sample)
+        self._loss_window[1].append(t)
+        return torch.cat(self._loss_window[0]), torch.cat(self._loss_window[1])
 
     def validation_step(self, batch, batch_idx):
         # A generator seeded by the batch index: the same t and noise at every validation.

@@ -48,17 +48,18 @@ def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:
 
 
 def resume_target(resume: str) -> tuple[RunDir, Path]:
-    """`--resume` takes a run folder (its checkpoints/last.ckpt) or a .ckpt file inside one."""
+    """`--resume` takes a run folder (its checkpoints/last.ckpt) or a .ckpt inside one: a file, or
+    the folder DeepSpeed and sharded FSDP write."""
     path = Path(resume)
     if not path.exists():
         raise ConfigError(f"--resume: '{resume}' does not exist")
-    if path.is_file():
+    if path.is_file() or path.suffix == ".ckpt":
         ckpt = path
         root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
     else:
         root = path
         ckpt = path / "checkpoints" / "last.ckpt"
-        if not ckpt.is_file():
+        if not ckpt.exists():
             raise ConfigError(f"--resume: no checkpoints/last.ckpt in run folder '{resume}'")
     return RunDir(root), ckpt
 

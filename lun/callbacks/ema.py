@@ -14,23 +14,28 @@ dots, plus `model_ema.decay` and `model_ema.num_updates`), so original tools and
 
 Distributed: under DDP (and DeepSpeed ZeRO-1/2) every rank holds the full, identical weights after
 each optimizer step, so every rank keeps its own average and they never diverge; only rank 0
-writes checkpoints. Strategies that shard the weights (FSDP, ZeRO-3) would hand each rank a shard:
-`EMA._trainable_params` is the single place that reads the weights and where a gather (or a
-per-shard average) goes; until then they are refused with a clear message.
+writes checkpoints. Strategies that shard the weights (FSDP, ZeRO-3) hand each rank a shard:
+`EMA._full_weights` gathers them for the update and shards the EMA back for a swap (one
+collective per update, on every rank; `lun.strategies.gathered_parameters`), so the average is
+the same full fp32 copy in CPU memory whatever the strategy. With `update_every` > 1 the gathers
+are that much rarer.
 """
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key
+from lun.strategies import gathered_parameters, shards_weights
 
 WARMUPS = ("none", "litema", "power")
+# Levels that wrappers add to parameter names (torch.compile, FSDP units, FSDP checkpointing).
+WRAPPER_LEVELS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def find_ema(trainer) -> "EMA | None":
@@ -59,32 +64,6 @@ def ema_weights(trainer, pl_module) -> Iterator[None]:
         yield
     finally:
         ema.swap_out()
-
-
-@contextmanager
-def swapped_weights(
-    params: Mapping[str, torch.Tensor],
-    weights: Mapping[str, torch.Tensor],
-    stash: Mapping[str, torch.Tensor] | None = None,
-) -> Iterator[None]:
-    """Copy `weights[name]` into `params[name]` for the block; restore the originals after.
-
-    The originals wait in `stash` (CPU buffers shaped like `params`; made here when None), so
-    swapping costs no accelerator memory. Dtypes are converted on the CPU side.
-    """
-    if stash is None:
-        stash = {name: torch.empty(p.shape, dtype=p.dtype) for name, p in params.items()}
-    with torch.no_grad():
-        for name, p in params.items():
-            stash[name].copy_(p, non_blocking=True)  # ordered before the copy below (same stream)
-            source = weights[name]
-            p.copy_(source if source.dtype == p.dtype else source.to(p.dtype))
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(stash[name], non_blocking=True)
 
 
 class EMA(Callback):
@@ -141,7 +120,7 @@ class EMA(Callback):
         self._pending: Future | None = None
         self._copy_stream: torch.Stream | None = None
         self._copy_done: torch.Event | None = None
-        self._swap: ExitStack | None = None
+        self._swapped_module = None  # the module holding the EMA weights, while swapped in
 
     # --- the average -------------------------------------------------------------------------
     def decay_at(self, n: int) -> float:
@@ -152,30 +131,45 @@ class EMA(Callback):
             return min(self.decay, 1 - n**-self.warmup_power)
         return self.decay
 
-    def _trainable_params(self, pl_module) -> dict[str, torch.Tensor]:
-        """The full trainable weights of `pl_module.model` by name - the only place reading them.
+    @staticmethod
+    def _trainable_params(pl_module) -> dict[str, torch.Tensor]:
+        """The trainable parameters of `pl_module.model` by name (possibly shards: read them
+        inside `_full_weights`).
 
         Names are those of `LatentDiffusion.model` (`diffusion_model.input_blocks.0.0.weight`);
-        a `torch.compile` wrapper level (`_orig_mod.`) is dropped. A strategy that shards the
-        weights gathers them here (see the module docstring).
+        levels that wrappers add (torch.compile, FSDP) are dropped.
         """
-        return {
-            name.replace("_orig_mod.", ""): p
-            for name, p in pl_module.model.named_parameters()
-            if p.requires_grad
-        }
+        params = {}
+        for name, p in pl_module.model.named_parameters():
+            if p.requires_grad:
+                for level in WRAPPER_LEVELS:
+                    name = name.replace(level, "")
+                params[name] = p
+        return params
+
+    @contextmanager
+    def _full_weights(self, pl_module, modify: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """The full trainable weights by name - the only place reading (or writing) them.
+
+        Under FSDP / ZeRO-3 they are gathered for the block (every rank must enter it) and, with
+        `modify`, what the block wrote is sharded back on exit.
+        """
+        params = self._trainable_params(pl_module)
+        trainer = getattr(pl_module, "_trainer", None)
+        if trainer is None:
+            yield params
+            return
+        with gathered_parameters(trainer.strategy, params, modify=modify):
+            yield params
 
     @staticmethod
     def _check_strategy(trainer) -> None:
-        from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+        from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy = trainer.strategy
-        if isinstance(strategy, FSDPStrategy | ModelParallelStrategy) or getattr(
-            strategy, "zero_stage_3", False
-        ):
+        if isinstance(trainer.strategy, ModelParallelStrategy):
             raise ValueError(
-                f"EMA needs the full weights on every rank, but {type(strategy).__name__} shards them. "
-                "Use DDP or DeepSpeed stage 1/2 with EMA, or remove the EMA callback."
+                "EMA needs the full weights, and ModelParallelStrategy (DTensor) has no gather here. "
+                "Use DDP, DeepSpeed or FSDP with EMA, or remove the EMA callback."
             )
 
     def _update(self, pl_module, step: int) -> None:
@@ -186,7 +180,18 @@ class EMA(Callback):
         self.num_updates += steps
         self._last_update_step = step
         self._finish()  # the staging buffers are free again
-        params = self._trainable_params(pl_module)
+        with self._full_weights(pl_module) as params:
+            self._stage(params)
+            if self._copy_done is not None and shards_weights(pl_module.trainer.strategy):
+                # Gathered weights are freed when the block ends: the copy must have read them.
+                self._copy_done.synchronize()
+        if self._executor is not None:
+            self._pending = self._executor.submit(self._fold_in, 1.0 - keep, self._copy_done)
+        else:
+            self._fold_in(1.0 - keep, self._copy_done)
+
+    def _stage(self, params: dict[str, torch.Tensor]) -> None:
+        """Copy the weights into the CPU staging buffers (asynchronously from an accelerator)."""
         device = next(iter(params.values())).device
         if device.type == "cpu":
             for name, p in params.items():
@@ -203,10 +208,6 @@ class EMA(Callback):
                 for name, p in params.items():
                     self._staging[name].copy_(p.detach(), non_blocking=True)
             self._copy_done = copy_stream.record_event()
-        if self._executor is not None:
-            self._pending = self._executor.submit(self._fold_in, 1.0 - keep, self._copy_done)
-        else:
-            self._fold_in(1.0 - keep, self._copy_done)
 
     def _fold_in(self, weight: float, copy_done: torch.Event | None) -> None:
         """shadow <- shadow + weight * (staging - shadow), on the CPU."""
@@ -224,23 +225,23 @@ class EMA(Callback):
 
     # --- buffers and checkpoints -------------------------------------------------------------
     def _allocate(self, pl_module) -> None:
-        params = self._trainable_params(pl_module)
-        if not params:
-            raise ValueError("EMA: pl_module.model has no trainable parameters")
-        device = next(iter(params.values())).device
-        pin = self.pin_memory and device.type != "cpu"
-        if self.shadows is None or self.shadows.keys() != params.keys():
-            self.shadows = {
-                n: torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
-                for n, p in params.items()
+        with self._full_weights(pl_module) as params:
+            if not params:
+                raise ValueError("EMA: pl_module.model has no trainable parameters")
+            device = next(iter(params.values())).device
+            pin = self.pin_memory and device.type != "cpu"
+            if self.shadows is None or self.shadows.keys() != params.keys():
+                self.shadows = {
+                    n: torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                    for n, p in params.items()
+                }
+                with torch.no_grad():
+                    for name, p in params.items():
+                        self.shadows[name].copy_(p)
+                self.num_updates = 0
+            self._staging = {
+                n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in params.items()
             }
-            with torch.no_grad():
-                for name, p in params.items():
-                    self.shadows[name].copy_(p)
-            self.num_updates = 0
-        self._staging = {
-            n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in params.items()
-        }
 
     def _apply_loaded(self) -> None:
         loaded, self._loaded = self._loaded, None
@@ -309,23 +310,29 @@ class EMA(Callback):
     # --- swapping ----------------------------------------------------------------------------
     @property
     def swapped(self) -> bool:
-        return self._swap is not None
+        return self._swapped_module is not None
 
     def swap_in(self, pl_module) -> None:
-        """Put the EMA weights into `pl_module.model` (raw ones wait in CPU memory)."""
+        """Put the EMA weights into `pl_module.model`; the raw ones wait in the CPU staging
+        buffers, so swapping costs no accelerator memory (dtypes converted on the CPU side)."""
         if self.swapped:
             raise RuntimeError("EMA weights are already swapped in")
         self._finish()
-        self._swap = ExitStack()
-        self._swap.enter_context(
-            swapped_weights(self._trainable_params(pl_module), self.shadows, self._staging)
-        )
+        with self._full_weights(pl_module, modify=True) as params, torch.no_grad():
+            for name, p in params.items():
+                self._staging[name].copy_(p, non_blocking=True)  # same stream: before the write
+                shadow = self.shadows[name]
+                p.copy_(shadow if shadow.dtype == p.dtype else shadow.to(p.dtype))
+        self._swapped_module = pl_module
 
     def swap_out(self) -> None:
         """Put the raw weights back."""
-        if self._swap is not None:
-            swap, self._swap = self._swap, None
-            swap.close()
+        if self._swapped_module is None:
+            return
+        pl_module, self._swapped_module = self._swapped_module, None
+        with self._full_weights(pl_module, modify=True) as params, torch.no_grad():
+            for name, p in params.items():
+                p.copy_(self._staging[name], non_blocking=True)
 
     # --- hooks -------------------------------------------------------------------------------
     def setup(self, trainer, pl_module, stage: str) -> None:

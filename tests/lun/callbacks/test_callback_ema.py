@@ -173,11 +173,12 @@ def test_validation_runs_with_ema_and_checkpoints_keep_raw_weights(
         assert all(torch.equal(state["model." + n], recorder.by_step[step][n]) for n in weights)
 
 
-def test_sharded_strategies_are_refused():
-    from lightning.pytorch.strategies import FSDPStrategy
+def test_model_parallel_strategy_is_refused():
+    # FSDP and ZeRO-3 are gathered (tests/lun/test_strategies.py); DTensor model parallel is not.
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
-    with pytest.raises(ValueError, match="shards them"):
-        EMA._check_strategy(SimpleNamespace(strategy=FSDPStrategy()))
+    with pytest.raises(ValueError, match="ModelParallelStrategy"):
+        EMA._check_strategy(SimpleNamespace(strategy=ModelParallelStrategy()))
 
 
 def test_bad_settings_are_refused():

@@ -1,0 +1,341 @@
+"""Strategies, precision and training options: the presets under configs/lightning/, run for
+real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulation, and the
+options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import seed_everything
+from lightning.pytorch.strategies import DDPStrategy
+from safetensors.torch import load_file
+from strategy_checks import one_step, tiny_model
+from torch.testing import assert_close
+
+import lun.strategies
+from ldm.checkpoint import ema_key, load_weights
+from ldm.util import instantiate_from_config
+from lun.config import ConfigError, merge_configs, to_container
+from lun.run import RunDir
+from lun.strategies import DeepSpeedStrategy, FSDPStrategy, build_strategy
+from lun.trainer import build_trainer, trainer_kwargs
+
+ROOT = Path(__file__).resolve().parents[2]
+PRESETS = ROOT / "configs" / "lightning"
+TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
+ON_CPU_WITH_2 = ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
+
+
+@pytest.mark.parametrize(
+    "config, cls, stage",
+    [
+        ("deepspeed", DeepSpeedStrategy, 2),
+        ("deepspeed_stage_3_offload", DeepSpeedStrategy, 3),
+        (
+            {"target": "lightning.pytorch.strategies.DeepSpeedStrategy", "params": {"stage": 1}},
+            DeepSpeedStrategy,
+            1,
+        ),
+        ("fsdp", FSDPStrategy, None),
+        ("fsdp_native", FSDPStrategy, None),
+        ({"target": "lightning.pytorch.strategies.FSDPStrategy"}, FSDPStrategy, None),
+    ],
+)
+def test_deepspeed_and_fsdp_names_become_the_adapters(config, cls, stage):
+    strategy = build_strategy(config)
+    assert type(strategy) is cls
+    if stage is not None:
+        assert strategy.config["zero_optimization"]["stage"] == stage
+
+
+def test_other_names_go_to_lightning_unchanged():
+    assert build_strategy("ddp") == "ddp"
+    strategy = build_strategy({"target": "lightning.pytorch.strategies.DDPStrategy", "params": {}})
+    assert type(strategy) is DDPStrategy
+
+
+def test_missing_deepspeed_is_a_config_error_naming_pip(monkeypatch):
+    real_find_spec = lun.strategies.importlib.util.find_spec
+    monkeypatch.setattr(
+        lun.strategies.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError, match=r"lightning.strategy: .*pip install deepspeed"):
+        trainer_kwargs({"strategy": "deepspeed_stage_2"})
+    with pytest.raises(ConfigError, match="pip install deepspeed"):
+        trainer_kwargs({"trainer": {"strategy": "deepspeed_stage_3"}})
+
+
+@pytest.mark.parametrize(
+    "preset, cls",
+    [
+        ("ddp", DDPStrategy),
+        ("deepspeed_stage2", DeepSpeedStrategy),
+        ("deepspeed_stage3", DeepSpeedStrategy),
+        ("fsdp", FSDPStrategy),
+    ],
+)
+def test_every_preset_merges_and_builds_a_trainer(tmp_path, preset, cls):
+    cfg = merge_configs([TINY, PRESETS / f"{preset}.yaml"], ON_CPU_WITH_2)
+    trainer = build_trainer(to_container(cfg)["lightning"], RunDir(tmp_path), has_validation=False)
+    assert type(trainer.strategy) is cls
+    assert trainer.num_devices == 2 and trainer.max_steps == 2  # the tiny config's value survives
+    assert trainer._accelerator_connector.use_distributed_sampler is False
+
+
+def test_stage2_preset_offloads_the_optimizer_with_a_torch_optimizer(tmp_path):
+    cfg = merge_configs([TINY, PRESETS / "deepspeed_stage2.yaml"], ON_CPU_WITH_2)
+    strategy = build_trainer(to_container(cfg)["lightning"], RunDir(tmp_path), False).strategy
+    assert strategy.config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert strategy.config["zero_force_ds_cpu_optimizer"] is False
+
+
+@pytest.fixture(scope="module")
+def baseline_step():
+    """One optimizer step over the 4 samples as one batch, fp32, no options: the reference."""
+    return one_step(batch_size=4, accumulate=1)
+
+
+def test_accumulate_2_x_batch_2_makes_the_same_step_as_batch_4(baseline_step):
+    """Same update (plain SGD: -lr x gradient) and the same logged loss, per optimizer step."""
+    update_4, loss_4 = baseline_step
+    update_2x2, loss_2x2 = one_step(batch_size=2, accumulate=2)
+    assert loss_2x2 == pytest.approx(loss_4, rel=1e-6)  # the loss of all 4 samples, not the last 2
+    assert any(u.abs().max() > 1e-3 for u in update_4.values())  # a real step was taken
+    for name, update in update_4.items():
+        assert_close(update_2x2[name], update, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_deepspeed_accumulation_divides_the_loss_once(tmp_path):
+    # Lightning divides the loss by `accumulate` and DeepSpeed's engine.backward did it again.
+    out = tmp_path / "updates.pt"
+    script = Path(__file__).with_name("strategy_checks.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "deepspeed_stage_2", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = torch.load(out, weights_only=True)
+    (update_4, loss_4), (update_2x2, loss_2x2) = results["4x1"], results["2x2"]
+    assert loss_2x2 == pytest.approx(loss_4, rel=1e-6)
+    for name, update in update_4.items():
+        assert_close(update_2x2[name], update, rtol=1e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"unet_params": {"use_checkpoint": True}},
+        {"channels_last": True},
+        # Dynamo captures the UNet's graph; the "eager" backend runs it without code generation
+        # (inductor's C++ build takes minutes on 2 CPU cores; `compile_unet: true` uses it).
+        pytest.param({"compile_unet": {"backend": "eager"}}, marks=pytest.mark.slow),
+    ],
+    ids=["gradient_checkpointing", "channels_last", "compile"],
+)
+def test_training_options_make_the_same_step(baseline_step, option):
+    update, loss = baseline_step
+    update_with, loss_with = one_step(batch_size=4, accumulate=1, **option)
+    assert loss_with == pytest.approx(loss, rel=1e-5)
+    for name in update:
+        assert_close(update_with[name], update[name], rtol=1e-4, atol=1e-6)
+
+
+def test_options_are_applied_to_the_unet():
+    model = tiny_model(channels_last=True, compile_unet={"backend": "eager"})
+    unet = model.model.diffusion_model
+    conv = unet.input_blocks[0][0].weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    assert unet._compiled_call_impl is not None
+    assert "model.diffusion_model.input_blocks.0.0.weight" in model.state_dict()  # names unchanged
+
+
+@pytest.mark.parametrize("fp32", [True, False])
+def test_vae_stays_float32_under_mixed_precision_when_asked(fp32):
+    model = tiny_model(first_stage_fp32=fp32)
+    seen = []
+    model.first_stage_model.encoder.conv_in.register_forward_hook(
+        lambda m, i, out: seen.append(out.dtype)
+    )
+    images = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        latents = model.encode_first_stage(images, torch.Generator().manual_seed(0))
+        eps = model.apply_model(
+            latents, torch.tensor([10, 500]), model.get_learned_conditioning(["a", "b"])
+        )
+    expected = torch.float32 if fp32 else torch.bfloat16
+    assert seen == [expected] and latents.dtype == expected
+    assert eps.dtype == torch.bfloat16  # the UNet runs in bf16 either way
+
+
+def test_bf16_mixed_trains_close_to_fp32(baseline_step):
+    _, loss = baseline_step
+    update, loss_bf16 = one_step(batch_size=4, accumulate=1, precision="bf16-mixed")
+    assert loss_bf16 == pytest.approx(loss, rel=2e-2)
+    assert all(torch.isfinite(u).all() for u in update.values())
+
+
+# --- end to end: 2 processes on CPU, checkpoint, resume, EMA, one exported file ----------------
+
+
+def run_main(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "main.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def training_args(shapes_dir: Path, logs: Path) -> list[str]:
+    return [
+        f"data.params.train.params.data_root={shapes_dir}",
+        "-l",
+        str(logs),
+        "-n",
+        "run",
+        "model.params.use_ema=true",
+        # decay 0: the average is the weights, so it must equal the merged weights
+        "lightning.callbacks.ema.params={decay: 0.0, warmup: none}",
+    ]
+
+
+def check_resumed_and_export(
+    tmp_path: Path, run: Path, *overrides: str, ema_exact: bool = True
+) -> None:
+    """Resume the 2-step run to step 3, then export it as one original-layout file."""
+    import convert
+
+    resumed = run_main(
+        ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"], cwd=tmp_path
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "average restarts" not in resumed.stderr  # the EMA came back from the checkpoint
+
+    last = run / "checkpoints" / "last.ckpt"
+    merged = lun.strategies.load_training_checkpoint(last)
+    state = merged["state_dict"]
+    assert merged["global_step"] == 3  # resumed at 2, not from 0
+    assert int(state["model_ema.num_updates"]) == 3
+    unet = [k.removeprefix("model.") for k in state if k.startswith("model.")]
+    assert unet
+    for name in unet:  # the average is of the full (gathered) weights
+        tolerance = {"rtol": 0, "atol": 0} if ema_exact else {"rtol": 1e-2, "atol": 1e-3}
+        assert_close(state[ema_key(name)], state["model." + name], **tolerance)
+
+    out = tmp_path / "model.safetensors"
+    convert.main([str(last), str(out), "--ema"])
+    assert list(tmp_path.glob("*.safetensors")) == [out]
+    exported = load_file(str(out))
+    seed_everything(23)  # main.py's default seed: the weights the run started from
+    start = instantiate_from_config(to_container(merge_configs([TINY]))["model"]).state_dict()
+    assert exported.keys() == start.keys()  # original layout, weights only
+    assert any(k.startswith("cond_stage_model.transformer.text_model.") for k in exported)
+    for key, value in exported.items():
+        if key.startswith(("first_stage_model.", "cond_stage_model.")):  # frozen: exact, float32
+            assert value.dtype == torch.float32 and torch.equal(value, start[key]), key
+    assert any(not torch.equal(exported["model." + n], start["model." + n]) for n in unet)
+    load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "preset, precision, resume_overrides",
+    [
+        ("deepspeed_stage2", "bf16-mixed", []),
+        ("deepspeed_stage3", "32-true", []),
+        # Resumed from the full file it wrote, the run then saves a folder of shards at step 3.
+        ("fsdp", "bf16-mixed", ["lightning.strategy.params.state_dict_type=sharded"]),
+    ],
+)
+def test_two_processes_train_resume_and_export_one_file(
+    tmp_path, shapes_dir, preset, precision, resume_overrides
+):
+    logs = tmp_path / "logs"
+    args = [
+        "--base",
+        str(TINY),
+        str(PRESETS / f"{preset}.yaml"),
+        *ON_CPU_WITH_2,
+        f"lightning.trainer.precision={precision}",
+        *training_args(shapes_dir, logs),
+        "-t",
+    ]
+    first = run_main(args, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    (run,) = logs.iterdir()
+    # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
+    # averages those. FSDP's and DDP's mixed precision keep float32 weights.
+    ema_exact = not (preset.startswith("deepspeed") and "16" in precision)
+    check_resumed_and_export(tmp_path, run, *resume_overrides, ema_exact=ema_exact)
+    if resume_overrides:
+        assert (run / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # merged from shards
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_ddp_on_two_nodes_under_torchrun_then_resume_and_export(tmp_path, shapes_dir):
+    """`torchrun --nnodes 2`: two launches, one per "node", meet at a rendezvous on localhost;
+    the run then resumes (2 local processes) and exports like every other strategy."""
+    logs = tmp_path / "logs"
+    port = str(free_port())
+    args = [
+        "--base",
+        str(TINY),
+        str(PRESETS / "ddp.yaml"),
+        "lightning.trainer.accelerator=cpu",
+        "lightning.trainer.devices=1",
+        "lightning.trainer.num_nodes=2",
+        *training_args(shapes_dir, logs),
+        "-t",
+    ]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "1",
+                "--node-rank",
+                str(rank),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                port,
+                str(ROOT / "main.py"),
+                *args,
+            ],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    for node, (_, err) in zip(nodes, outputs):
+        assert node.returncode == 0, err[-3000:]
+    both = "".join(err for _, err in outputs)
+    assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
+    runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
+    assert len(runs) == 1  # rank 0 writes
+    assert torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    check_resumed_and_export(
+        tmp_path, runs[0], "lightning.trainer.num_nodes=1", "lightning.trainer.devices=2"
+    )
