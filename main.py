@@ -50,7 +50,9 @@ def main(argv=None) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:
-        from lun.callbacks.nan_guard import NonFiniteLossError  # imported here: Lightning is slow to import
+        from lun.callbacks.nan_guard import (
+            NonFiniteLossError,  # imported here: Lightning is slow to import
+        )
 
         if not isinstance(err, NonFiniteLossError):
             raise

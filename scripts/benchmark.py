@@ -59,7 +59,10 @@ def original_config(unet_params: dict) -> dict:
 def build_unets(device, gradient_checkpointing=False):
     """Our UNet and diffusers' UNet2DConditionModel with the same weights."""
     from diffusers import UNet2DConditionModel
-    from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint, create_unet_diffusers_config_from_ldm
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_unet_checkpoint,
+        create_unet_diffusers_config_from_ldm,
+    )
 
     torch.manual_seed(0)
     ours = instantiate_from_config({"target": "ldm.unet.UNetModel", "params": UNET_PARAMS})
@@ -141,7 +144,7 @@ def train_section(args, device) -> list[str]:
         results = {}
         for label, model in (("diffusers", theirs), ("ours", ours)):
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            results[label] = median_seconds(lambda m=model, o=optimizer: train_step(m, o, batch, dtype), device,
+            results[label] = median_seconds(lambda m=model, o=optimizer, d=dtype: train_step(m, o, batch, d), device,
                                             args.steps, args.warmup)
         for label in ("diffusers", "ours"):
             achieved = flops[label] / results[label]

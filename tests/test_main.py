@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from run_helpers import ROOT, run_main
 
 
