@@ -171,11 +171,12 @@ class SpatialTransformer(nn.Module):
     """Transformer over the H*W positions of a feature map, conditioned on a context sequence.
 
     Args:
-        in_channels: channels C of the feature map (also the transformer width inner = heads * d
-            must be what proj_in maps to).
-        heads, dim_head: attention heads and channels per head.
+        in_channels: channels C of the feature map.
+        heads, dim_head: attention heads and channels per head; the transformer is
+            heads * dim_head wide (proj_in maps C to that width, proj_out back).
         depth: number of BasicTransformerBlocks.
-        context_dim: width of the cross-attention context (None = self-attention only).
+        context_dim: width of the cross-attention context (None = attend to x itself).
+        dropout: dropout in attention outputs and feed-forward.
         use_linear: proj_in / proj_out are Linear layers (SD 2) instead of 1x1 convs (SD 1).
         backend, upcast: see CrossAttention.
     """
@@ -217,5 +218,7 @@ class SpatialTransformer(nn.Module):
         for block in self.transformer_blocks:
             h = block(h, context)  # (B, HW, inner)
         h = F.linear(h, self.proj_out.weight.flatten(1), self.proj_out.bias)  # (B, HW, C)
-        h = h.view(batch, height, width, -1).permute(0, 3, 1, 2)  # (B, C, H, W), channels-last
-        return h + x
+        h = h.view(batch, height, width, -1).permute(0, 3, 1, 2)  # (B, C, H, W) channels-last view
+        # x first: the sum takes x's NCHW layout. A channels-last result would flow into the next
+        # convs, which then copy their NCHW weights on every call.
+        return x + h

@@ -27,8 +27,10 @@ def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10
     downscale_freq_shift=0).
     """
     half = dim // 2
-    exponent = torch.arange(half, dtype=torch.float32, device=timesteps.device) / half
-    freqs = torch.exp(-math.log(max_period) * exponent)  # (half,)
+    steps = torch.arange(half, dtype=torch.float32, device=timesteps.device)
+    # Operation order as the original: at t ~ 1000 a different float rounding of the frequencies
+    # moves the embedding by ~1e-4.
+    freqs = torch.exp(-math.log(max_period) * steps / half)  # (half,)
     args = timesteps[:, None].float() * freqs[None]  # (B, half)
     embedding = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (B, 2 * half)
     if dim % 2:
@@ -195,6 +197,10 @@ class UNetModel(nn.Module):
                 heads, dim_head = num_heads, width // num_heads
             else:
                 heads, dim_head = width // num_head_channels, num_head_channels
+            if heads < 1:
+                raise ValueError(
+                    f"a {width}-channel transformer cannot have heads of {num_head_channels} channels"
+                )
             if legacy:
                 dim_head = width // heads
             return SpatialTransformer(
@@ -279,7 +285,9 @@ class UNetModel(nn.Module):
         """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given context (B, M, D)."""
         if (y is not None) != (self.num_classes is not None):
             raise ValueError("pass class labels y exactly when the model has num_classes")
+        # float32 sinusoids, cast to the weights' dtype so a model converted with .half() works.
         t_emb = timestep_embedding(timesteps, self.model_channels)  # (B, model_channels)
+        t_emb = t_emb.to(self.time_embed[0].weight.dtype)
         emb = self.time_embed(t_emb)  # (B, 4 * model_channels)
         if y is not None:
             emb = emb + self.label_emb(y)
