@@ -1,0 +1,125 @@
+"""`make demo`: train a small text-to-image model on CPU in about 10 minutes, then draw with it.
+
+    python scripts/demo.py                  # data -> train -> sample grid -> scores
+    python scripts/demo.py --max-steps 500  # a shorter (and worse) run
+
+1. makes the synthetic shapes data set with scripts/make_shapes.py, unless it is there;
+2. trains configs/demo/shapes.yaml with main.py (a run folder under logs/);
+3. draws a sample grid for a fixed prompt list with scripts/txt2img.py;
+4. scores colour and shape on every (colour, shape) prompt with scripts/eval_shapes.py;
+5. prints where the grid is.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "demo" / "shapes.yaml"
+IMAGE_SIZE = 16  # must match configs/demo/shapes.yaml (data.params.train.params.size)
+# Every colour and shape once, with and without a background, for the grid (one row each).
+PROMPTS = (
+    "a red circle",
+    "a blue square",
+    "a yellow triangle",
+    "a green square on a white background",
+    "a purple circle on a black background",
+    "an orange triangle on a gray background",
+)
+# Sampling settings of the grid and the scores (chosen on the demo's own runs).
+ENLARGE = 8  # the grid is also saved this many times larger, pixels kept sharp
+SAMPLING = ["--sampler", "ddim", "--steps", "25", "--scale", "4"]
+
+
+def idle_cores() -> int:
+    """CPU cores not busy right now (cores minus the 1-minute load average), at least 1.
+
+    PyTorch runs each CPU op on all its threads and waits for the slowest: on a shared machine,
+    a thread that waits for a busy core stalls every op. Measured on a 2-core box with a load
+    of 3-4: 2 threads trained this demo 2-10x slower than 1 thread.
+    """
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
+def run(*args: str, capture_run_folder: bool = False) -> str:
+    """Run `python ARGS` from the project root, its output going to ours; stop if it fails.
+
+    With `capture_run_folder`, returns the folder main.py reports ("run folder: ...").
+    """
+    print("$ python " + " ".join(args), flush=True)
+    process = subprocess.Popen(
+        [sys.executable, *args], cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
+    found = ""
+    for line in process.stdout:
+        print(line, end="", flush=True)
+        if capture_run_folder and line.startswith("run folder: "):
+            found = line.removeprefix("run folder: ").strip()
+    if process.wait() != 0:
+        sys.exit(f"demo: `python {' '.join(args)}` failed (exit status {process.returncode})")
+    if capture_run_folder and not found:
+        sys.exit(f"demo: `python {' '.join(args)}` named no run folder")
+    return found
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", default="data/shapes", help="data set folder (made if missing)")
+    parser.add_argument("--n-images", type=int, default=4000, help="images to make")
+    parser.add_argument("--logdir", default="logs", help="parent folder of the run folder")
+    parser.add_argument("--max-steps", type=int, help="training steps (default: the config's)")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads (default: $OMP_NUM_THREADS, else the idle cores)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads or "OMP_NUM_THREADS" not in os.environ:
+        # Read by PyTorch in every step below (each is a new process).
+        os.environ["OMP_NUM_THREADS"] = str(args.threads or idle_cores())
+    print(f"using {os.environ['OMP_NUM_THREADS']} CPU thread(s) (--threads to change)")
+
+    data = Path(args.data)
+    if (ROOT / data / "images").is_dir():
+        print(f"using the data set in {data} (delete it to make a new one)")
+    else:
+        size, n = str(IMAGE_SIZE), str(args.n_images)
+        run("scripts/make_shapes.py", "--out", str(data), "--n", n, "--size", size, "--seed", "0")
+
+    overrides = [f"data.params.train.params.data_root={data}"]
+    if args.max_steps is not None:
+        overrides.append(f"lightning.trainer.max_steps={args.max_steps}")
+    config = str(CONFIG.relative_to(ROOT))
+    train = ["main.py", "--base", config, *overrides, "-n", "demo-shapes", "-l", args.logdir]
+    run_folder = ROOT / run(*train, "-t", capture_run_folder=True)
+    ckpt = str(run_folder / "checkpoints" / "last.ckpt")
+
+    prompts = run_folder / "demo-prompts.txt"
+    prompts.write_text("\n".join(PROMPTS) + "\n")
+    samples = run_folder / "samples"
+    generate = ["--ckpt", ckpt, "--seed", "0", *SAMPLING]
+    grid_args = ["--from-file", str(prompts), "--n_samples", "6", "--outdir", str(samples)]
+    run("scripts/txt2img.py", *generate, *grid_args)
+    scored = ["--n", "8", "--verbose", "--grid", str(run_folder / "eval.png")]
+    run("scripts/eval_shapes.py", *generate, *scored)
+
+    (grid,) = samples.glob("grid-*.png")
+    enlarged = grid.with_name(f"{grid.stem}-x{ENLARGE}.png")
+    with Image.open(grid) as image:  # 16-pixel images are small on a screen
+        image.resize(
+            (image.width * ENLARGE, image.height * ENLARGE), Image.Resampling.NEAREST
+        ).save(enlarged)
+    print(f"\nsample grid (one row per prompt of {prompts}):\n  {grid}\n  {enlarged} (enlarged)")
+    print(
+        f"more images: python scripts/txt2img.py --ckpt {ckpt} --prompt 'a blue circle' "
+        f"--n_samples 8 {' '.join(SAMPLING)}"
+    )
+
+
+if __name__ == "__main__":
+    main()
