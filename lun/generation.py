@@ -54,13 +54,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
 
 
 def pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
+    """The asked device, else the first available of cuda (also ROCm), mps, cpu."""
+    if not name:
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    return torch.device(name)
 
 
 def find_config(ckpt: Path) -> list[Path]:
