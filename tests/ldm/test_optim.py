@@ -20,8 +20,13 @@ def test_warmup_then_cosine_and_linear():
 
 def test_original_lambda_linear_scheduler():
     """The values the original ldm.lr_scheduler.LambdaLinearScheduler gives for SD's config."""
-    schedule = LambdaLinearScheduler(warm_up_steps=[100], f_min=[1.0], f_max=[1.0], f_start=[1e-6],
-                                     cycle_lengths=[10_000_000_000_000])
+    schedule = LambdaLinearScheduler(
+        warm_up_steps=[100],
+        f_min=[1.0],
+        f_max=[1.0],
+        f_start=[1e-6],
+        cycle_lengths=[10_000_000_000_000],
+    )
     assert schedule(0) == pytest.approx(1e-6)
     assert schedule(50) == pytest.approx(1e-6 + (1 - 1e-6) * 0.5)
     assert schedule(100) == pytest.approx(1.0) and schedule(10**6) == pytest.approx(1.0)
@@ -31,7 +36,11 @@ def test_scheduler_steps_per_optimizer_step():
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = build_optimizer([param], lr=1.0)
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["weight_decay"] == 0.01
-    config = {"target": "ldm.optim.WarmupScheduler", "params": {"kind": "constant", "warmup_steps": 4}}
+    assert optimizer.defaults["fused"]
+    config = {
+        "target": "ldm.optim.WarmupScheduler",
+        "params": {"kind": "constant", "warmup_steps": 4},
+    }
     scheduler = build_scheduler(optimizer, config)
     assert scheduler["interval"] == "step"
     lrs = []
@@ -45,4 +54,32 @@ def test_scheduler_steps_per_optimizer_step():
 def test_8bit_adamw_without_bitsandbytes_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if it were not installed
     with pytest.raises(ImportError, match="pip install bitsandbytes"):
-        build_optimizer([torch.nn.Parameter(torch.zeros(1))], lr=1e-4, config={"target": "adamw8bit"})
+        build_optimizer(
+            [torch.nn.Parameter(torch.zeros(1))], lr=1e-4, config={"target": "adamw8bit"}
+        )
+
+
+def test_fused_adamw_steps_like_the_loop_and_can_be_turned_off():
+    torch.manual_seed(0)
+    start, grads = torch.randn(3, 5), [torch.randn(3, 5) for _ in range(4)]
+    results = []
+    for params in ({}, {"fused": False}):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = build_optimizer([param], lr=1e-2, config={"target": "adamw", "params": params})
+        assert bool(optimizer.defaults["fused"]) == (params == {})
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+        results.append(param.detach())
+    torch.testing.assert_close(results[0], results[1])
+
+
+def test_parameters_without_a_fused_kernel_fall_back_to_the_default_adamw():
+    fused = torch.nn.Parameter(torch.zeros(2))
+    complex_valued = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+    groups = [{"params": [fused]}, {"params": [complex_valued], "lr": 0.1}]
+    optimizer = build_optimizer(groups, lr=1e-2)
+    assert not optimizer.defaults["fused"]
+    fused.grad, complex_valued.grad = torch.ones(2), torch.ones(2, dtype=torch.complex64)
+    optimizer.step()
+    assert (fused < 0).all() and (complex_valued.real < 0).all()
