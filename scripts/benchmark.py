@@ -5,7 +5,9 @@
 
 Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we are faster):
 - train: one UNet training step (forward + backward + AdamW) at the SD-v1 structure with reduced
-  width (model_channels 128, 32x32 latents, context 77x768, batch 4), fp32 and bf16 autocast.
+  width (model_channels 128, 32x32 latents, context 77x768, batch 4), fp32 and bf16 autocast;
+  each side with its default optimizer (ours: fused AdamW; diffusers' examples: torch's AdamW).
+  The two models take turns, step by step.
   Both models hold the same weights (ours converted with diffusers' own converter). Achieved
   FLOP/s (FlopCounterMode) and its share of this machine's matmul peak at that dtype.
 - memory: peak memory of that step (RSS on CPU, max allocated on CUDA), ours vs diffusers, and
@@ -31,29 +33,69 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from ldm.optim import build_optimizer
 from ldm.util import instantiate_from_config
 
 BATCH, LATENT, CONTEXT = 4, 32, (77, 768)
 UNET_PARAMS = {  # SD v1 structure, width 128 instead of 320
-    "in_channels": 4, "out_channels": 4, "model_channels": 128, "attention_resolutions": [4, 2, 1],
-    "num_res_blocks": 2, "channel_mult": [1, 2, 4, 4], "num_heads": 8, "use_spatial_transformer": True,
-    "transformer_depth": 1, "context_dim": 768, "legacy": False,
+    "in_channels": 4,
+    "out_channels": 4,
+    "model_channels": 128,
+    "attention_resolutions": [4, 2, 1],
+    "num_res_blocks": 2,
+    "channel_mult": [1, 2, 4, 4],
+    "num_heads": 8,
+    "use_spatial_transformer": True,
+    "transformer_depth": 1,
+    "context_dim": 768,
+    "legacy": False,
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def original_config(unet_params: dict) -> dict:
     """An original-style config (as diffusers' converters read it) around our UNet params."""
-    return {"model": {"params": {
-        "linear_start": 0.00085, "linear_end": 0.012, "timesteps": 1000, "scale_factor": 0.18215, "image_size": 32,
-        "unet_config": {"target": "ldm.unet.UNetModel", "params": unet_params},
-        "first_stage_config": {"target": "ldm.autoencoder.AutoencoderKL", "params": {
-            "embed_dim": 4, "ddconfig": {"double_z": True, "z_channels": 4, "resolution": 256, "in_channels": 3,
-                                         "out_ch": 3, "ch": 64, "ch_mult": [1, 2, 4, 4], "num_res_blocks": 1,
-                                         "attn_resolutions": [], "dropout": 0.0}}},
-        "cond_stage_config": {"target": "ldm.text_encoder.FrozenCLIPEmbedder", "params": {"config": {
-            "hidden_size": 768, "intermediate_size": 1536, "num_hidden_layers": 2, "num_attention_heads": 12}}},
-    }}}
+    return {
+        "model": {
+            "params": {
+                "linear_start": 0.00085,
+                "linear_end": 0.012,
+                "timesteps": 1000,
+                "scale_factor": 0.18215,
+                "image_size": 32,
+                "unet_config": {"target": "ldm.unet.UNetModel", "params": unet_params},
+                "first_stage_config": {
+                    "target": "ldm.autoencoder.AutoencoderKL",
+                    "params": {
+                        "embed_dim": 4,
+                        "ddconfig": {
+                            "double_z": True,
+                            "z_channels": 4,
+                            "resolution": 256,
+                            "in_channels": 3,
+                            "out_ch": 3,
+                            "ch": 64,
+                            "ch_mult": [1, 2, 4, 4],
+                            "num_res_blocks": 1,
+                            "attn_resolutions": [],
+                            "dropout": 0.0,
+                        },
+                    },
+                },
+                "cond_stage_config": {
+                    "target": "ldm.text_encoder.FrozenCLIPEmbedder",
+                    "params": {
+                        "config": {
+                            "hidden_size": 768,
+                            "intermediate_size": 1536,
+                            "num_hidden_layers": 2,
+                            "num_attention_heads": 12,
+                        }
+                    },
+                },
+            }
+        }
+    }
 
 
 def build_unets(device, gradient_checkpointing=False):
@@ -133,24 +175,50 @@ def step_flops(model, batch) -> int:
     return counter.get_total_flops()
 
 
+def alternated_median_seconds(steps: dict, device, repeats, warmup) -> dict:
+    """Median seconds of each callable in `steps`, run in turn so that they share the machine's
+    load alike (on a shared machine the wall clock of one step swings several-fold)."""
+    times = {label: [] for label in steps}
+    for repeat in range(warmup + repeats):
+        for label, step in steps.items():
+            synchronize(device)
+            start = time.perf_counter()
+            step()
+            synchronize(device)
+            if repeat >= warmup:
+                times[label].append(time.perf_counter() - start)
+    return {label: statistics.median(seconds) for label, seconds in times.items()}
+
+
 def train_section(args, device) -> list[str]:
-    rows = ["| UNet train step (batch 4, 32x32, ch 128) | dtype | img/s | vs diffusers | TFLOP/s | of matmul peak |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| UNet train step (batch 4, 32x32, ch 128) | dtype | img/s | vs diffusers | TFLOP/s | of matmul peak |",
+        "|---|---|---|---|---|---|",
+    ]
     ours, theirs = build_unets(device)
     batch = inputs(device)
     flops = {"ours": step_flops(ours, batch), "diffusers": step_flops(theirs, batch)}
-    for name, dtype in DTYPES.items():
+    # Each side with its own default optimizer: ours is what LatentDiffusion.configure_optimizers
+    # builds (fused AdamW); diffusers' training examples use torch.optim.AdamW as it comes.
+    optimizers = {
+        "diffusers": torch.optim.AdamW(theirs.parameters(), lr=1e-5),
+        "ours": build_optimizer(ours.parameters(), lr=1e-5),
+    }
+    for name in args.dtypes:
+        dtype = DTYPES[name]
         peak = matmul_peak(device, dtype)
-        results = {}
-        for label, model in (("diffusers", theirs), ("ours", ours)):
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-            results[label] = median_seconds(lambda m=model, o=optimizer, d=dtype: train_step(m, o, batch, d), device,
-                                            args.steps, args.warmup)
+        steps = {
+            label: lambda m=model, o=optimizers[label], d=dtype: train_step(m, o, batch, d)
+            for label, model in (("diffusers", theirs), ("ours", ours))
+        }
+        results = alternated_median_seconds(steps, device, args.steps, args.warmup)
         for label in ("diffusers", "ours"):
             achieved = flops[label] / results[label]
             ratio = results["diffusers"] / results[label]
-            rows.append(f"| {label} | {name} | {BATCH / results[label]:.2f} | {ratio:.2f}x | "
-                        f"{achieved / 1e12:.3f} | {achieved / peak:.0%} |")
+            rows.append(
+                f"| {label} | {name} | {BATCH / results[label]:.2f} | {ratio:.2f}x | "
+                f"{achieved / 1e12:.3f} | {achieved / peak:.0%} |"
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -160,7 +228,11 @@ def memory_child(which: str, checkpointing: bool, device) -> None:
     ours, theirs = build_unets(device, gradient_checkpointing=checkpointing)
     model = ours if which == "ours" else theirs
     del ours, theirs
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    optimizer = (
+        build_optimizer(model.parameters(), lr=1e-5)
+        if which == "ours"
+        else torch.optim.AdamW(model.parameters(), lr=1e-5)
+    )
     batch = inputs(device)
     train_step(model, optimizer, batch, torch.float32)  # allocates the optimizer state
     if device.type == "cuda":
@@ -184,20 +256,29 @@ def _proc_status(field: str) -> int:
 
 
 def memory_section(args, device) -> list[str]:
-    rows = ["| UNet train step memory (fp32) | peak | activations | vs diffusers (peak) |", "|---|---|---|---|"]
+    rows = [
+        "| UNet train step memory (fp32) | peak | activations | vs diffusers (peak) |",
+        "|---|---|---|---|",
+    ]
     measured = {}
     for which in ("diffusers", "ours"):
         for checkpointing in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--memory-child", which, "--device", str(device)]
-                                 + (["--checkpointing"] if checkpointing else []),
-                                 capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--memory-child", which, "--device", str(device)]
+                + (["--checkpointing"] if checkpointing else []),
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             measured[which, checkpointing] = json.loads(out.stdout.strip().splitlines()[-1])
     for which in ("diffusers", "ours"):
         for checkpointing in (False, True):
             m = measured[which, checkpointing]
             ratio = m["peak"] / measured["diffusers", checkpointing]["peak"]
             label = which + (" + gradient checkpointing" if checkpointing else "")
-            rows.append(f"| {label} | {m['peak'] / 2**20:.0f} MiB | {m['activations'] / 2**20:.0f} MiB | {ratio:.2f}x |")
+            rows.append(
+                f"| {label} | {m['peak'] / 2**20:.0f} MiB | {m['activations'] / 2**20:.0f} MiB | {ratio:.2f}x |"
+            )
     saved = 1 - measured["ours", True]["activations"] / measured["ours", False]["activations"]
     rows.append(f"| ours: activation memory saved by gradient checkpointing | {saved:.0%} | | |")
     print("\n".join(rows), flush=True)
@@ -212,22 +293,46 @@ def sampling_section(args, device) -> list[str]:
 
     config = original_config(UNET_PARAMS)
     torch.manual_seed(0)
-    model = instantiate_from_config({"target": "ldm.diffusion.LatentDiffusion", **config["model"]}).eval().to(device)
+    model = (
+        instantiate_from_config({"target": "ldm.diffusion.LatentDiffusion", **config["model"]})
+        .eval()
+        .to(device)
+    )
     with tempfile.TemporaryDirectory() as folder:
         export_diffusers(model.state_dict(), copy.deepcopy(config), Path(folder))
         pipe = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True).to(device)
     pipe.set_progress_bar_config(disable=True)
     ddim = pipe.scheduler
     dpm = DPMSolverMultistepScheduler.from_config(ddim.config)
-    rows = ["| sampling 256x256, CFG 7.5 | steps | ours s/img | diffusers s/img | ratio |", "|---|---|---|---|---|"]
+    rows = [
+        "| sampling 256x256, CFG 7.5 | steps | ours s/img | diffusers s/img | ratio |",
+        "|---|---|---|---|---|",
+    ]
     prompt = "a red circle on a white background"
     for sampler, steps, scheduler in (("dpmpp_2m", 20, dpm), ("ddim", 50, ddim)):
         pipe.scheduler = scheduler
         with torch.no_grad():
-            ours = median_seconds(lambda s=sampler, n=steps: model.sample([prompt], height=256, width=256, sampler=s,
-                                                                          steps=n, scale=7.5), device, args.sample_runs, 1)
-            theirs = median_seconds(lambda n=steps: pipe(prompt, height=256, width=256, num_inference_steps=n,
-                                                         guidance_scale=7.5, output_type="pt"), device, args.sample_runs, 1)
+            ours = median_seconds(
+                lambda s=sampler, n=steps: model.sample(
+                    [prompt], height=256, width=256, sampler=s, steps=n, scale=7.5
+                ),
+                device,
+                args.sample_runs,
+                1,
+            )
+            theirs = median_seconds(
+                lambda n=steps: pipe(
+                    prompt,
+                    height=256,
+                    width=256,
+                    num_inference_steps=n,
+                    guidance_scale=7.5,
+                    output_type="pt",
+                ),
+                device,
+                args.sample_runs,
+                1,
+            )
         rows.append(f"| {sampler} | {steps} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.2f}x |")
         print(rows[-1], flush=True)
     return rows
@@ -244,10 +349,23 @@ def data_section(args) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=["train", "memory", "sampling", "data"],
-                        default=["train", "memory", "sampling", "data"])
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["train", "memory", "sampling", "data"],
+        default=["train", "memory", "sampling", "data"],
+    )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        choices=list(DTYPES),
+        default=list(DTYPES),
+        help="train section dtypes (bf16 is ~20x slower than fp32 on CPUs without AVX512-bf16)",
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sample-runs", type=int, default=2)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -258,7 +376,10 @@ def main() -> None:
     if args.memory_child:
         memory_child(args.memory_child, args.checkpointing, device)
         return
-    print(f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}",
+        flush=True,
+    )
     sections = {"train": train_section, "memory": memory_section, "sampling": sampling_section}
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:
