@@ -22,6 +22,7 @@ Median of `--steps` steps after `--warmup`. The device is CUDA when present, els
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,6 +58,7 @@ def original_config(unet_params: dict) -> dict:
     """An original-style config (as diffusers' converters read it) around our UNet params."""
     return {
         "model": {
+            "target": "ldm.diffusion.LatentDiffusion",
             "params": {
                 "linear_start": 0.00085,
                 "linear_end": 0.012,
@@ -93,7 +95,7 @@ def original_config(unet_params: dict) -> dict:
                         }
                     },
                 },
-            }
+            },
         }
     }
 
@@ -224,7 +226,12 @@ def train_section(args, device) -> list[str]:
 
 
 def memory_child(which: str, checkpointing: bool, device) -> None:
-    """Runs in its own process: prints peak and activation memory of one training step (bytes)."""
+    """Runs in its own process: prints peak and activation memory of one training step (bytes).
+
+    Activations = the step's peak above the weights and optimizer state, less the gradients
+    (which every step allocates alike). On CPU the parent sets a fixed malloc mmap threshold so
+    that freed tensors leave the resident set and RSS follows the live tensors.
+    """
     ours, theirs = build_unets(device, gradient_checkpointing=checkpointing)
     model = ours if which == "ours" else theirs
     del ours, theirs
@@ -245,7 +252,8 @@ def memory_child(which: str, checkpointing: bool, device) -> None:
         before = _proc_status("VmRSS")
         train_step(model, optimizer, batch, torch.float32)
         peak = _proc_status("VmHWM")
-    print(json.dumps({"peak": peak, "activations": peak - before}))
+    gradients = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"peak": peak, "activations": peak - before - gradients}))
 
 
 def _proc_status(field: str) -> int:
@@ -269,6 +277,9 @@ def memory_section(args, device) -> list[str]:
                 capture_output=True,
                 text=True,
                 check=True,
+                # glibc otherwise raises its mmap threshold as large blocks are freed, keeps
+                # later ones on its heap, and RSS stops falling when tensors are freed.
+                env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
             )
             measured[which, checkpointing] = json.loads(out.stdout.strip().splitlines()[-1])
     for which in ("diffusers", "ours"):
@@ -293,11 +304,7 @@ def sampling_section(args, device) -> list[str]:
 
     config = original_config(UNET_PARAMS)
     torch.manual_seed(0)
-    model = (
-        instantiate_from_config({"target": "ldm.diffusion.LatentDiffusion", **config["model"]})
-        .eval()
-        .to(device)
-    )
+    model = instantiate_from_config(config["model"]).eval().to(device)
     with tempfile.TemporaryDirectory() as folder:
         export_diffusers(model.state_dict(), copy.deepcopy(config), Path(folder))
         pipe = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True).to(device)
