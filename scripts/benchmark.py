@@ -150,16 +150,7 @@ def synchronize(device):
 
 
 def median_seconds(fn, device, steps, warmup) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return alternated_median_seconds({"only": fn}, device, steps, warmup)["only"]
 
 
 def matmul_peak(device, dtype, n=2048, reps=10) -> float:
