@@ -168,6 +168,14 @@ def step_flops(model, batch) -> int:
     return counter.get_total_flops()
 
 
+def default_optimizer(which: str, model) -> torch.optim.Optimizer:
+    """Each side's default: ours is what LatentDiffusion.configure_optimizers builds (fused
+    AdamW); diffusers' training examples use torch.optim.AdamW as it comes."""
+    if which == "ours":
+        return build_optimizer(model.parameters(), lr=1e-5)
+    return torch.optim.AdamW(model.parameters(), lr=1e-5)
+
+
 def alternated_median_seconds(steps: dict, device, repeats, warmup) -> dict:
     """Median seconds of each callable in `steps`, run in turn so that they share the machine's
     load alike (on a shared machine the wall clock of one step swings several-fold)."""
@@ -191,11 +199,9 @@ def train_section(args, device) -> list[str]:
     ours, theirs = build_unets(device)
     batch = inputs(device)
     flops = {"ours": step_flops(ours, batch), "diffusers": step_flops(theirs, batch)}
-    # Each side with its own default optimizer: ours is what LatentDiffusion.configure_optimizers
-    # builds (fused AdamW); diffusers' training examples use torch.optim.AdamW as it comes.
     optimizers = {
-        "diffusers": torch.optim.AdamW(theirs.parameters(), lr=1e-5),
-        "ours": build_optimizer(ours.parameters(), lr=1e-5),
+        "diffusers": default_optimizer("diffusers", theirs),
+        "ours": default_optimizer("ours", ours),
     }
     for name in args.dtypes:
         dtype = DTYPES[name]
@@ -226,11 +232,7 @@ def memory_child(which: str, checkpointing: bool, device) -> None:
     ours, theirs = build_unets(device, gradient_checkpointing=checkpointing)
     model = ours if which == "ours" else theirs
     del ours, theirs
-    optimizer = (
-        build_optimizer(model.parameters(), lr=1e-5)
-        if which == "ours"
-        else torch.optim.AdamW(model.parameters(), lr=1e-5)
-    )
+    optimizer = default_optimizer(which, model)
     batch = inputs(device)
     train_step(model, optimizer, batch, torch.float32)  # allocates the optimizer state
     if device.type == "cuda":
