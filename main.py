@@ -1,7 +1,7 @@
 """Train a latent diffusion model from YAML configs.
 
-    python main.py --base configs/a.yaml configs/b.yaml key.path=value -t
-    python main.py --resume logs/<run>            # continue where it stopped
+python main.py --base configs/a.yaml configs/b.yaml key.path=value -t
+python main.py --resume logs/<run>            # continue where it stopped
 """
 
 import argparse
@@ -14,18 +14,33 @@ from lun.config import ConfigError, check_complete, merge_configs, to_container
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml",
-                        help="YAML configs, merged left to right; `key.path=value` overrides after them win")
-    parser.add_argument("-t", "--train", action="store_true", help="train (otherwise only build and check)")
-    parser.add_argument("-n", "--name", default="", help="run name (default: first config's file name)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "-b",
+        "--base",
+        nargs="*",
+        default=[],
+        metavar="config.yaml",
+        help="YAML configs, merged left to right; `key.path=value` overrides after them win",
+    )
+    parser.add_argument(
+        "-t", "--train", action="store_true", help="train (otherwise only build and check)"
+    )
+    parser.add_argument(
+        "-n", "--name", default="", help="run name (default: first config's file name)"
+    )
     parser.add_argument("-r", "--resume", default="", help="run folder or .ckpt to resume from")
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
     parser.add_argument("-l", "--logdir", default="logs", help="parent folder of run folders")
     parser.add_argument("-f", "--postfix", default="", help="appended to the run folder's name")
     parser.add_argument("--no-test", action="store_true", help="skip the test split after training")
-    parser.add_argument("--scale_lr", action="store_true",
-                        help="lr = accumulate x devices x nodes x batch size x base_learning_rate")
+    parser.add_argument(
+        "--scale_lr",
+        action="store_true",
+        help="lr = accumulate x devices x nodes x batch size x base_learning_rate",
+    )
     parser.add_argument("-d", "--debug", action="store_true", help="full tracebacks, debug logging")
     opt, dotlist = parser.parse_known_args(argv)
     # `--base a.yaml b.yaml key=value` puts overrides into --base's list: move them out.
@@ -102,7 +117,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         raise ConfigError(str(err).splitlines()[0]) from None
 
     base_lr = config["model"].get("base_learning_rate", 1.0e-4)
-    model.learning_rate = scaled_learning_rate(base_lr, config, trainer) if opt.scale_lr else base_lr
+    model.learning_rate = (
+        scaled_learning_rate(base_lr, config, trainer) if opt.scale_lr else base_lr
+    )
     if is_rank_zero():
         run_dir.create()
         run_dir.save_configs(cfg)
@@ -120,8 +137,10 @@ def scaled_learning_rate(base_lr: float, config: dict, trainer) -> float:
     accumulate = trainer.accumulate_grad_batches
     devices, nodes = trainer.num_devices, trainer.num_nodes
     lr = accumulate * devices * nodes * batch_size * base_lr
-    print(f"learning rate {lr:.2e} = {accumulate} (accumulate) x {devices} (devices) x {nodes} (nodes) "
-          f"x {batch_size} (batch size) x {base_lr:.2e} (base_learning_rate)")
+    print(
+        f"learning rate {lr:.2e} = {accumulate} (accumulate) x {devices} (devices) x {nodes} (nodes) "
+        f"x {batch_size} (batch size) x {base_lr:.2e} (base_learning_rate)"
+    )
     return lr
 
 

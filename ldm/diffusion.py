@@ -183,8 +183,11 @@ class LatentDiffusion(pl.LightningModule):
 
     # --- the three models --------------------------------------------------------------------
     @torch.no_grad()
-    def encode_first_stage(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_first_stage(
+        self, images: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
         """(B, 3, H, W) in [-1, 1] -> scaled latent (B, C, H/f, W/f), sampled from the posterior."""
+
         def encode(x):
             return self.first_stage_model.encode(x).sample(generator)
 

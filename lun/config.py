@@ -53,9 +53,13 @@ def check_complete(cfg: DictConfig) -> None:
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot resolve config: {_first_line(err)}") from None
     if missing:
-        more = f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else ""
-        raise ConfigError(f"missing required value '{missing[0]}': set it in a YAML file or as "
-                          f"{missing[0]}=...{more}")
+        more = (
+            f" (and {len(missing) - 1} more: {', '.join(missing[1:4])})" if len(missing) > 1 else ""
+        )
+        raise ConfigError(
+            f"missing required value '{missing[0]}': set it in a YAML file or as "
+            f"{missing[0]}=...{more}"
+        )
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -18,8 +18,14 @@ from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.images import make_grid
 
-SAMPLER_NAMES = {"ddim": "DDIM", "plms": "PLMS", "euler": "Euler", "euler_a": "Euler a",
-                 "heun": "Heun", "dpmpp_2m": "DPM++ 2M"}
+SAMPLER_NAMES = {
+    "ddim": "DDIM",
+    "plms": "PLMS",
+    "euler": "Euler",
+    "euler_a": "Euler a",
+    "heun": "Heun",
+    "dpmpp_2m": "DPM++ 2M",
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -34,29 +40,56 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
     parser.add_argument("--eta", "--ddim_eta", dest="eta", type=float, default=0.0, help="DDIM eta")
     parser.add_argument("--scale", type=float, default=7.5, help="classifier-free guidance scale")
-    parser.add_argument("--n_samples", type=int, default=1, help="images per prompt per iteration (batch)")
+    parser.add_argument(
+        "--n_samples", type=int, default=1, help="images per prompt per iteration (batch)"
+    )
     parser.add_argument("--n_iter", type=int, default=1, help="iterations")
-    parser.add_argument("--H", type=int, default=None, help="height in pixels (default: the model's)")
-    parser.add_argument("--W", type=int, default=None, help="width in pixels (default: the model's)")
+    parser.add_argument(
+        "--H", type=int, default=None, help="height in pixels (default: the model's)"
+    )
+    parser.add_argument(
+        "--W", type=int, default=None, help="width in pixels (default: the model's)"
+    )
     parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
-    parser.add_argument("--fixed_code", action="store_true", help="same starting noise in every iteration")
+    parser.add_argument(
+        "--fixed_code", action="store_true", help="same starting noise in every iteration"
+    )
     parser.add_argument("--config", help="model config (default: the run folder's saved config)")
-    parser.add_argument("--ckpt", required=True, help=".ckpt or .safetensors (ours or an original SD one)")
+    parser.add_argument(
+        "--ckpt", required=True, help=".ckpt or .safetensors (ours or an original SD one)"
+    )
     parser.add_argument("--precision", choices=["full", "autocast"], default="full")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
-                        help="autocast dtype with --precision autocast")
-    parser.add_argument("--ema", action=argparse.BooleanOptionalAction, default=None,
-                        help="use EMA weights (default: when the checkpoint has them)")
+    parser.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default="bf16",
+        help="autocast dtype with --precision autocast",
+    )
+    parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="use EMA weights (default: when the checkpoint has them)",
+    )
     parser.add_argument("--skip_grid", action="store_true")
     parser.add_argument("--device", default=None, help="default: cuda, else mps, else cpu")
-    parser.add_argument("--unsafe-load", action="store_true",
-                        help="allow pickled code in a .ckpt (only for files you trust)")
+    parser.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled code in a .ckpt (only for files you trust)",
+    )
 
 
 def pick_device(name: str | None) -> torch.device:
     """The asked device, else the first available of cuda (also ROCm), mps, cpu."""
     if not name:
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = (
+            "cuda"
+            if torch.cuda.is_available()
+            else "mps"
+            if torch.backends.mps.is_available()
+            else "cpu"
+        )
     return torch.device(name)
 
 
@@ -83,15 +116,32 @@ def load_model(args) -> torch.nn.Module:
 
 def read_prompts(args) -> list[str]:
     if args.from_file:
-        return [line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()]
+        return [
+            line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()
+        ]
     return [args.prompt]
 
 
-def a1111_parameters(prompt: str, negative: str, args, seed: int, width: int, height: int, model_hash: str,
-                     extra: dict | None = None) -> str:
+def a1111_parameters(
+    prompt: str,
+    negative: str,
+    args,
+    seed: int,
+    width: int,
+    height: int,
+    model_hash: str,
+    extra: dict | None = None,
+) -> str:
     sampler = SAMPLER_NAMES[args.sampler] + (" Karras" if args.karras else "")
-    fields = {"Steps": args.steps, "Sampler": sampler, "CFG scale": args.scale, "Seed": seed,
-              "Size": f"{width}x{height}", "Model hash": model_hash, **(extra or {})}
+    fields = {
+        "Steps": args.steps,
+        "Sampler": sampler,
+        "CFG scale": args.scale,
+        "Seed": seed,
+        "Size": f"{width}x{height}",
+        "Model hash": model_hash,
+        **(extra or {}),
+    }
     lines = [prompt]
     if negative:
         lines.append(f"Negative prompt: {negative}")
@@ -115,17 +165,27 @@ def save_png(image: Image.Image, path: Path, parameters: str | None = None) -> N
 
 def starting_noise(seeds: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """One noise tensor per seed, so each image is reproducible on its own from its seed."""
-    return torch.stack([torch.randn(shape, generator=torch.Generator(device).manual_seed(s), device=device)
-                        for s in seeds])
+    return torch.stack(
+        [
+            torch.randn(shape, generator=torch.Generator(device).manual_seed(s), device=device)
+            for s in seeds
+        ]
+    )
 
 
-def generate(args, init_images: torch.Tensor | None = None, extra_params: dict | None = None) -> list[Path]:
+def generate(
+    args, init_images: torch.Tensor | None = None, extra_params: dict | None = None
+) -> list[Path]:
     """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
     model = load_model(args)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
-    height = args.H or (init_images.shape[-2] if init_images is not None else model.latent_size * model.downscale)
-    width = args.W or (init_images.shape[-1] if init_images is not None else model.latent_size * model.downscale)
+    height = args.H or (
+        init_images.shape[-2] if init_images is not None else model.latent_size * model.downscale
+    )
+    width = args.W or (
+        init_images.shape[-1] if init_images is not None else model.latent_size * model.downscale
+    )
     if height % 8 or width % 8:
         raise ValueError(f"--H and --W must be multiples of 8, got {height}x{width}")
     outdir = Path(args.outdir)
@@ -133,26 +193,49 @@ def generate(args, init_images: torch.Tensor | None = None, extra_params: dict |
     sample_dir.mkdir(parents=True, exist_ok=True)
     count = len(list(sample_dir.glob("*.png")))
     latent_shape = (model.latent_channels, height // model.downscale, width // model.downscale)
-    autocast = (torch.autocast(device.type, dtype=DTYPES[args.dtype]) if args.precision == "autocast"
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=DTYPES[args.dtype])
+        if args.precision == "autocast"
+        else contextlib.nullcontext()
+    )
     written, all_images = [], []
     for prompt in read_prompts(args):
         for iteration in range(args.n_iter):
             first = args.seed + (0 if args.fixed_code else iteration * args.n_samples)
             seeds = list(range(first, first + args.n_samples))
-            init = None if init_images is None else init_images.to(device).expand(args.n_samples, -1, -1, -1)
+            init = (
+                None
+                if init_images is None
+                else init_images.to(device).expand(args.n_samples, -1, -1, -1)
+            )
             with torch.no_grad(), autocast:
                 images = model.sample(
-                    [prompt] * args.n_samples, [args.negative_prompt] * args.n_samples, height=height,
-                    width=width, sampler=args.sampler, steps=args.steps, scale=args.scale, eta=args.eta,
-                    karras=args.karras, generator=torch.Generator(device).manual_seed(first),
-                    noise=starting_noise(seeds, latent_shape, device), init_images=init,
+                    [prompt] * args.n_samples,
+                    [args.negative_prompt] * args.n_samples,
+                    height=height,
+                    width=width,
+                    sampler=args.sampler,
+                    steps=args.steps,
+                    scale=args.scale,
+                    eta=args.eta,
+                    karras=args.karras,
+                    generator=torch.Generator(device).manual_seed(first),
+                    noise=starting_noise(seeds, latent_shape, device),
+                    init_images=init,
                     strength=getattr(args, "strength", 1.0),
                 )
             for image, seed in zip(images, seeds):
                 path = sample_dir / f"{count:05d}.png"
-                params = a1111_parameters(prompt, args.negative_prompt, args, seed, width, height, model_hash,
-                                          extra_params)
+                params = a1111_parameters(
+                    prompt,
+                    args.negative_prompt,
+                    args,
+                    seed,
+                    width,
+                    height,
+                    model_hash,
+                    extra_params,
+                )
                 save_png(to_pil(image), path, params)
                 written.append(path)
                 count += 1

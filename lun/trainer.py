@@ -79,7 +79,9 @@ def build_logger(lightning_cfg: dict, run: RunDir):
     return TensorBoardLogger(save_dir=str(run.root), name="tensorboard", version="")
 
 
-def build_trainer(lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool = False) -> Trainer:
+def build_trainer(
+    lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool = False
+) -> Trainer:
     from lun.atomic_io import AtomicCheckpointIO
 
     kwargs = trainer_kwargs(lightning_cfg)

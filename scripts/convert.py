@@ -31,11 +31,14 @@ def convert_state(state: dict, ema: bool, prune: bool) -> dict:
     if ema:
         if not checkpoint.has_ema(state):
             raise KeyError("--ema: the checkpoint has no EMA weights (model_ema.*)")
-        unet_names = [k[len("model."):] for k in state if k.startswith("model.")]
+        unet_names = [k[len("model.") :] for k in state if k.startswith("model.")]
         return checkpoint.apply_ema(state, unet_names)
     if prune:
-        return {k: v for k, v in state.items()
-                if not k.startswith(checkpoint.EMA_PREFIX) or k in checkpoint.EMA_SCALARS}
+        return {
+            k: v
+            for k, v in state.items()
+            if not k.startswith(checkpoint.EMA_PREFIX) or k in checkpoint.EMA_SCALARS
+        }
     return state
 
 
@@ -76,7 +79,9 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     unet_config = sfu.create_unet_diffusers_config_from_ldm(original, state)
     unet = UNet2DConditionModel(**unet_config)
     unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(state, unet_config))
-    vae_config = sfu.create_vae_diffusers_config_from_ldm(original, state, scaling_factor=params.get("scale_factor", 0.18215))
+    vae_config = sfu.create_vae_diffusers_config_from_ldm(
+        original, state, scaling_factor=params.get("scale_factor", 0.18215)
+    )
     vae = AutoencoderKL(**vae_config)
     vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, vae_config))
     text_encoder = CLIPTextModel(encoder.transformer.config)
@@ -86,29 +91,53 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
         clip_state = {k.removeprefix("text_model."): v for k, v in clip_state.items()}
     text_encoder.load_state_dict(clip_state)
     scheduler = DDIMScheduler(
-        beta_start=params.get("linear_start", 0.00085), beta_end=params.get("linear_end", 0.012),
-        beta_schedule="scaled_linear", num_train_timesteps=params.get("timesteps", 1000),
-        clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading",
+        beta_start=params.get("linear_start", 0.00085),
+        beta_end=params.get("linear_end", 0.012),
+        beta_schedule="scaled_linear",
+        num_train_timesteps=params.get("timesteps", 1000),
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        timestep_spacing="leading",
         prediction_type="v_prediction" if params.get("parameterization") == "v" else "epsilon",
     )
-    pipeline = StableDiffusionPipeline(vae=vae, text_encoder=text_encoder, tokenizer=encoder.tokenizer, unet=unet,
-                                       scheduler=scheduler, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
+    pipeline = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=encoder.tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipeline.save_pretrained(out_dir, safe_serialization=True)
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("ckpt", help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "ckpt", help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint)"
+    )
     parser.add_argument("out", nargs="?", help="output .safetensors or .ckpt")
-    parser.add_argument("--ema", action="store_true", help="write the EMA weights as the model weights")
-    parser.add_argument("--prune", action="store_true", help="weights only: no EMA shadows, optimizer, loops")
+    parser.add_argument(
+        "--ema", action="store_true", help="write the EMA weights as the model weights"
+    )
+    parser.add_argument(
+        "--prune", action="store_true", help="weights only: no EMA shadows, optimizer, loops"
+    )
     precision = parser.add_mutually_exclusive_group()
     precision.add_argument("--half", action="store_true", help="store floating weights as fp16")
     precision.add_argument("--bf16", action="store_true", help="store floating weights as bf16")
-    parser.add_argument("--to-diffusers", metavar="DIR", help="also write a diffusers pipeline folder")
+    parser.add_argument(
+        "--to-diffusers", metavar="DIR", help="also write a diffusers pipeline folder"
+    )
     parser.add_argument("--config", help="model config (default: the run folder's saved config)")
-    parser.add_argument("--unsafe-load", action="store_true", help="allow pickled code (trusted files only)")
+    parser.add_argument(
+        "--unsafe-load", action="store_true", help="allow pickled code (trusted files only)"
+    )
     args = parser.parse_args(argv)
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")

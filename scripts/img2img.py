@@ -11,11 +11,17 @@ from lun.generation import add_generation_args, generate, load_init_image
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_generation_args(parser)
     parser.add_argument("--init-img", required=True, help="the starting image")
-    parser.add_argument("--strength", type=float, default=0.75,
-                        help="0 keeps the image, 1 ignores it (fraction of the steps that are run)")
+    parser.add_argument(
+        "--strength",
+        type=float,
+        default=0.75,
+        help="0 keeps the image, 1 ignores it (fraction of the steps that are run)",
+    )
     parser.set_defaults(outdir="outputs/img2img-samples")
     args = parser.parse_args(argv)
     if not 0.0 <= args.strength <= 1.0:

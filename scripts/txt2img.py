@@ -13,7 +13,9 @@ from lun.generation import add_generation_args, generate
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_generation_args(parser)
     args = parser.parse_args(argv)
     try:

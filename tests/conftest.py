@@ -9,7 +9,10 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]  # scripts and test helpers import by name
+sys.path[:0] = [
+    str(ROOT / "scripts"),
+    str(ROOT / "tests"),
+]  # scripts and test helpers import by name
 
 from run_helpers import run_main  # noqa: E402
 
@@ -37,8 +40,18 @@ def tiny_config() -> Path:
 def trained_run(tmp_path_factory, tiny_config, shapes_dir) -> Path:
     """A run folder from a 2-step training of the tiny config, with EMA weights in its checkpoint."""
     logs = tmp_path_factory.mktemp("logs")
-    result = run_main(["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}",
-                       "model.params.use_ema=true", "-l", str(logs), "-t"], cwd=logs)
+    result = run_main(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            "model.params.use_ema=true",
+            "-l",
+            str(logs),
+            "-t",
+        ],
+        cwd=logs,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = list(logs.iterdir())
     return run

@@ -25,8 +25,14 @@ def load(path: Path) -> dict:
     "args, message",
     [
         ([], "missing required value 'data.params.train.params.data_root'"),
-        (["model.target=ldm.diffusion.LatentDifusion"], "did you mean ldm.diffusion.LatentDiffusion"),
-        (["lightning.trainer.max_step=3"], "lightning.trainer.max_step: not a Trainer argument; did you mean 'max_steps'"),
+        (
+            ["model.target=ldm.diffusion.LatentDifusion"],
+            "did you mean ldm.diffusion.LatentDiffusion",
+        ),
+        (
+            ["lightning.trainer.max_step=3"],
+            "lightning.trainer.max_step: not a Trainer argument; did you mean 'max_steps'",
+        ),
         (["model.params.min_snr_gama=5"], "min_snr_gama"),
         (["lightning.trainer.precision=17"], "lightning.trainer"),
         (["--frobnicate"], "unknown option --frobnicate"),
@@ -52,7 +58,18 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
 @pytest.mark.slow
 def test_train_writes_the_run_folder_and_resume_continues(tmp_path, tiny_config, shapes_dir):
     logs = tmp_path / "logs"
-    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(logs), "-n", "demo", "-f", "_x", "-t"]
+    args = [
+        "--base",
+        str(tiny_config),
+        data_root(shapes_dir),
+        "-l",
+        str(logs),
+        "-n",
+        "demo",
+        "-f",
+        "_x",
+        "-t",
+    ]
     first = run_main(args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     run = only_run_folder(logs)
@@ -75,14 +92,24 @@ def test_train_writes_the_run_folder_and_resume_continues(tmp_path, tiny_config,
 
 def fault(tmp_path, **params) -> list[str]:
     items = ", ".join(f"{k}: {v}" for k, v in params.items())
-    return [f"lightning.callbacks.fault={{target: fault_injection.FaultInjection, params: {{{items}}}}}"]
+    return [
+        f"lightning.callbacks.fault={{target: fault_injection.FaultInjection, params: {{{items}}}}}"
+    ]
 
 
 @pytest.mark.slow
 def test_exception_writes_on_exception_checkpoint(tmp_path, tiny_config, shapes_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(tmp_path), "-t",
-            "lightning.trainer.max_steps=5", *fault(tmp_path, raise_at_step=2)]
+    args = [
+        "--base",
+        str(tiny_config),
+        data_root(shapes_dir),
+        "-l",
+        str(tmp_path),
+        "-t",
+        "lightning.trainer.max_steps=5",
+        *fault(tmp_path, raise_at_step=2),
+    ]
     result = run_main(args, cwd=tmp_path, env=env)
     assert result.returncode != 0
     assert "injected failure at step 2" in result.stderr
@@ -93,12 +120,23 @@ def test_exception_writes_on_exception_checkpoint(tmp_path, tiny_config, shapes_
 @pytest.mark.slow
 def test_sigusr1_saves_last_and_training_goes_on(tmp_path, tiny_config, shapes_dir):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(tmp_path), "-t",
-            "lightning.trainer.max_steps=3", "lightning.callbacks.modelcheckpoint=null",
-            "lightning.callbacks.metrics_over_trainsteps_checkpoint=null", *fault(tmp_path, signal_at_step=1)]
+    args = [
+        "--base",
+        str(tiny_config),
+        data_root(shapes_dir),
+        "-l",
+        str(tmp_path),
+        "-t",
+        "lightning.trainer.max_steps=3",
+        "lightning.callbacks.modelcheckpoint=null",
+        "lightning.callbacks.metrics_over_trainsteps_checkpoint=null",
+        *fault(tmp_path, signal_at_step=1),
+    ]
     result = run_main(args, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_steps=3` reached" in result.stderr + result.stdout
     checkpoints = only_run_folder(tmp_path) / "checkpoints"
-    assert load(checkpoints / "last.ckpt")["global_step"] == 1  # written at the signal, not at the end
+    assert (
+        load(checkpoints / "last.ckpt")["global_step"] == 1
+    )  # written at the signal, not at the end
     assert not (checkpoints / "on_exception.ckpt").exists()

@@ -18,14 +18,33 @@ pytestmark = pytest.mark.slow
 
 def generate(script, tmp_path: Path, run: Path, name: str, *extra: str) -> Path:
     outdir = tmp_path / name
-    script.main(["--ckpt", str(run / "checkpoints" / "last.ckpt"), "--outdir", str(outdir), "--steps", "3",
-                 "--prompt", "a red circle", "--n_samples", "2", "--seed", "5", *extra])
+    script.main(
+        [
+            "--ckpt",
+            str(run / "checkpoints" / "last.ckpt"),
+            "--outdir",
+            str(outdir),
+            "--steps",
+            "3",
+            "--prompt",
+            "a red circle",
+            "--n_samples",
+            "2",
+            "--seed",
+            "5",
+            *extra,
+        ]
+    )
     return outdir
 
 
 def test_txt2img_writes_deterministic_pngs_with_parameters(tmp_path, trained_run):
-    first = generate(txt2img, tmp_path, trained_run, "a", "--negative-prompt", "blurry", "--H", "48", "--W", "32")
-    again = generate(txt2img, tmp_path, trained_run, "b", "--negative-prompt", "blurry", "--H", "48", "--W", "32")
+    first = generate(
+        txt2img, tmp_path, trained_run, "a", "--negative-prompt", "blurry", "--H", "48", "--W", "32"
+    )
+    again = generate(
+        txt2img, tmp_path, trained_run, "b", "--negative-prompt", "blurry", "--H", "48", "--W", "32"
+    )
     samples = sorted((first / "samples").glob("*.png"))
     assert [p.name for p in samples] == ["00000.png", "00001.png"]
     assert len(list(first.glob("grid-*.png"))) == 1
@@ -59,7 +78,9 @@ def test_txt2img_clear_errors(tmp_path, trained_run):
 
 def test_img2img_keeps_the_size_of_the_init_image(tmp_path, trained_run, shapes_dir):
     init = sorted((shapes_dir / "images").glob("*.png"))[0]
-    out = generate(img2img, tmp_path, trained_run, "i2i", "--init-img", str(init), "--strength", "0.5")
+    out = generate(
+        img2img, tmp_path, trained_run, "i2i", "--init-img", str(init), "--strength", "0.5"
+    )
     image = Image.open(out / "samples" / "00000.png")
     assert image.size == Image.open(init).size
     assert "Denoising strength: 0.5" in image.text["parameters"]
@@ -79,15 +100,18 @@ def test_convert_to_safetensors_loads_back_strictly(tmp_path, trained_run):
     assert state["model.diffusion_model.out.2.weight"].dtype == torch.float16
     source = checkpoint.state_dict_of(checkpoint.load_file_state(ckpt))
     ema = source["model_ema.diffusion_modelout2weight"]
-    torch.testing.assert_close(state["model.diffusion_model.out.2.weight"].float(), ema, atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(
+        state["model.diffusion_model.out.2.weight"].float(), ema, atol=1e-3, rtol=1e-3
+    )
     checkpoint.load_weights(tiny_model(trained_run), out)  # strict
 
     pruned = tmp_path / "pruned.ckpt"
     convert.main([str(ckpt), str(pruned), "--prune"])
     contents = checkpoint.load_file_state(pruned)
     assert "optimizer_states" not in contents
-    assert set(contents["state_dict"]) == set(source) - {k for k in source if k.startswith("model_ema.")
-                                                         and k not in checkpoint.EMA_SCALARS}
+    assert set(contents["state_dict"]) == set(source) - {
+        k for k in source if k.startswith("model_ema.") and k not in checkpoint.EMA_SCALARS
+    }
 
 
 def test_diffusers_pipeline_matches_our_txt2img(tmp_path, trained_run):
@@ -100,7 +124,16 @@ def test_diffusers_pipeline_matches_our_txt2img(tmp_path, trained_run):
     model = tiny_model(trained_run).eval()
     checkpoint.load_weights(model, ckpt, ema=False)
     noise = torch.randn(1, 4, 8, 8, generator=torch.Generator().manual_seed(3))
-    ours = model.sample(["a blue square"], height=32, width=32, steps=5, scale=4.0, noise=noise.clone())
-    theirs = pipe("a blue square", height=32, width=32, num_inference_steps=5, guidance_scale=4.0,
-                  latents=noise.clone(), output_type="pt").images
+    ours = model.sample(
+        ["a blue square"], height=32, width=32, steps=5, scale=4.0, noise=noise.clone()
+    )
+    theirs = pipe(
+        "a blue square",
+        height=32,
+        width=32,
+        num_inference_steps=5,
+        guidance_scale=4.0,
+        latents=noise.clone(),
+        output_type="pt",
+    ).images
     torch.testing.assert_close((ours + 1) / 2, theirs.float(), atol=2e-3, rtol=0)

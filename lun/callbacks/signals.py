@@ -44,7 +44,10 @@ class SignalCheckpoint(Callback):
         trainer.save_checkpoint(path)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+        if (
+            isinstance(exception, KeyboardInterrupt)
+            and threading.current_thread() is threading.main_thread()
+        ):
             # Lightning ignores further Ctrl-C while it shuts down; a user pressing it again
             # wants out now, even if that costs the exception checkpoint.
             signal.signal(signal.SIGINT, lambda *_: os._exit(130))

@@ -45,7 +45,9 @@ def tiny_vae(seed: int = 0) -> AutoencoderKL:
     [("v1-inference.yaml", "sd_v1_keys.json"), ("v2-inference.yaml", "sd_v2_base_keys.json")],
 )
 def test_full_size_state_dict_matches_original_checkpoint(config_file, keys_file):
-    config = OmegaConf.load(REFERENCE.parents[1] / "configs" / "stable-diffusion" / config_file).model.params.first_stage_config
+    config = OmegaConf.load(
+        REFERENCE.parents[1] / "configs" / "stable-diffusion" / config_file
+    ).model.params.first_stage_config
     with torch.device("meta"):
         vae = instantiate_from_config(config)  # original target path, params unchanged
     assert isinstance(vae, AutoencoderKL)

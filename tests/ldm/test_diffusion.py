@@ -35,8 +35,11 @@ def tiny(tiny_config):
 
 @pytest.mark.parametrize(
     "config, reference",
-    [("v1-inference.yaml", "sd_v1_keys.json"), ("v2-inference.yaml", "sd_v2_base_keys.json"),
-     ("v2-inference-v.yaml", "sd_v2_v_keys.json")],
+    [
+        ("v1-inference.yaml", "sd_v1_keys.json"),
+        ("v2-inference.yaml", "sd_v2_base_keys.json"),
+        ("v2-inference-v.yaml", "sd_v2_v_keys.json"),
+    ],
 )
 def test_original_configs_build_exactly_the_original_layout(config, reference):
     """The shipped configs are the originals, unchanged; their models have the reference keys/shapes."""
@@ -120,8 +123,14 @@ def test_min_snr_weights_the_per_sample_loss(tiny, parameterization):
     abar = plain.alphas_cumprod[t].double()
     snr = abar / (1 - abar)
     expected = snr.clamp(max=5.0) / (snr if parameterization == "eps" else snr + 1)
-    assert (expected < 1).any() and (expected == 1).any() if parameterization == "eps" else (expected < 1).all()
-    torch.testing.assert_close(loss_weighted.double(), loss_plain.double() * expected, rtol=1e-5, atol=1e-7)
+    assert (
+        (expected < 1).any() and (expected == 1).any()
+        if parameterization == "eps"
+        else (expected < 1).all()
+    )
+    torch.testing.assert_close(
+        loss_weighted.double(), loss_plain.double() * expected, rtol=1e-5, atol=1e-7
+    )
 
 
 def test_ucg_rate_drops_captions_at_the_rate(tiny):
