@@ -1,11 +1,14 @@
 """Load and merge YAML configs; turn every config mistake into one clear line."""
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+logger = logging.getLogger("lun.config")
 
 
 class ConfigError(ValueError):
@@ -60,6 +63,74 @@ def check_complete(cfg: DictConfig) -> None:
             f"missing required value '{missing[0]}': set it in a YAML file or as "
             f"{missing[0]}=...{more}"
         )
+
+
+def translate_legacy_keys(cfg: DictConfig) -> DictConfig:
+    """Move keys of older configs to where their meaning lives now, one warning line each.
+
+    Applied to the merged config, before `check_complete`; changes `cfg` in place and returns it.
+    """
+    _move_caption_dropout(cfg)
+    return cfg
+
+
+def _move_caption_dropout(cfg: DictConfig) -> None:
+    """`data.params.<split>.params.caption_dropout` -> `model.params.ucg_rate`.
+
+    Caption dropout for classifier-free guidance has one owner, the model's conditioner, so the
+    datasets no longer take it. Only the train split's value has a meaning (validation and test
+    never drop captions); another split's value is ignored with a warning.
+    """
+    splits = OmegaConf.select(cfg, "data.params", default=None)
+    if not isinstance(splits, DictConfig):
+        return
+    found = []  # every value is read before any key moves: one may interpolate another
+    for split in list(splits.keys()):
+        params = OmegaConf.select(splits, f"{split}.params", default=None)
+        if not isinstance(params, DictConfig) or "caption_dropout" not in params:
+            continue
+        if OmegaConf.is_missing(params, "caption_dropout"):
+            continue  # left for check_complete, which names the key
+        key = f"data.params.{split}.params.caption_dropout"
+        found.append((split, params, key, _probability(key, _value(cfg, key))))
+    for split, params, key, value in found:
+        if split != "train":
+            del params["caption_dropout"]
+            logger.warning("%s is ignored: only the train split drops captions", key)
+            continue
+        if "model" not in cfg:
+            continue  # the launcher reports the missing section
+        target = "model.params.ucg_rate"
+        current = _value(cfg, target)  # read first: it may interpolate the key moved here
+        if current is not None and current != value:
+            raise ConfigError(
+                f"{key}={value} and {target}={current} disagree: caption dropout is set only "
+                f"by {target} now; remove {key}"
+            )
+        del params["caption_dropout"]
+        if OmegaConf.select(cfg, "model.params", default=None) is None:
+            cfg.model.params = {}
+        cfg.model.params.ucg_rate = value
+        logger.warning(
+            "%s is a legacy key: its value %s moved to %s%s",
+            key,
+            value,
+            target,
+            "" if current is None else " (which already had it)",
+        )
+
+
+def _value(cfg: DictConfig, key: str):
+    try:
+        return OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot resolve {key}: {_first_line(err)}") from None
+
+
+def _probability(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ConfigError(f"{key}={value}: expected a probability in [0, 1]")
+    return float(value)
 
 
 def to_container(cfg: DictConfig) -> dict:

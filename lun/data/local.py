@@ -62,7 +62,8 @@ class Local(torch.utils.data.Dataset):
     interpolation: resampling filter - "bilinear", "bicubic" or "lanczos".
     flip_p: probability of a horizontal flip.
     crop: "center" or "random" (where the crop window sits in the resized image).
-    caption_dropout: probability that a sample's caption is "" (for classifier-free guidance).
+    Captions are returned as they are: dropout for classifier-free guidance is the model's
+    (`model.params.ucg_rate`); a legacy `caption_dropout` here is moved there by lun.config.
     metadata_params: absent for flat files; a mapping of lun.data.metadata.MetadataParams for
         metadata mode (score and tag filters, tag shuffling, replacements, aspect_range ...).
     limit_images: use at most this many items (a fixed random subset), e.g. for a quick test.
@@ -85,7 +86,6 @@ class Local(torch.utils.data.Dataset):
         interpolation: str = "bicubic",
         flip_p: float = 0.0,
         crop: str = "center",
-        caption_dropout: float = 0.0,
         metadata_params: dict | None = None,
         limit_images: int | None = None,
         missing_caption: str = "empty",
@@ -96,14 +96,13 @@ class Local(torch.utils.data.Dataset):
     ):
         if not os.path.isdir(data_root):
             raise FileNotFoundError(f"data_root {data_root!r} is not a folder")
-        for name, value in (("flip_p", flip_p), ("caption_dropout", caption_dropout)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name}={value}: expected a probability in [0, 1]")
+        if not 0.0 <= flip_p <= 1.0:
+            raise ValueError(f"flip_p={flip_p}: expected a probability in [0, 1]")
         self.data_root, self.size = data_root, int(size)
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
         self.missing_caption = check_choice("missing_caption", missing_caption, ("empty", "skip"))
-        self.flip_p, self.caption_dropout = flip_p, caption_dropout
+        self.flip_p = flip_p
         self.max_image_pixels = max_image_pixels
         self.metadata = None
         if metadata_params is not None:
@@ -221,10 +220,7 @@ class Local(torch.utils.data.Dataset):
         image = load_image_tensor(
             path, size, self.interpolation, self.crop, self.flip_p, max_pixels=self.max_image_pixels
         )  # (3, H, W)
-        caption = self.caption(index)
-        if self.caption_dropout > 0 and random.random() < self.caption_dropout:
-            caption = ""
-        return {"image": image, "caption": caption}
+        return {"image": image, "caption": self.caption(index)}
 
     def __getitem__(self, index: int) -> dict:
         """Item `index`, or - if its files cannot be read - the next readable item, resized to

@@ -153,7 +153,6 @@ class ShardStream(torch.utils.data.IterableDataset):
         interpolation: str,
         crop: str,
         flip_p: float,
-        caption_dropout: float,
         filters,
         idx_to_prompt,
         shuffle_buffer: int,
@@ -166,7 +165,7 @@ class ShardStream(torch.utils.data.IterableDataset):
         self.num_examples_to_see, self.size = int(num_examples_to_see), int(size)
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
-        self.flip_p, self.caption_dropout = flip_p, caption_dropout
+        self.flip_p = flip_p
         self.max_image_pixels = max_image_pixels
         self.filters = parse_filters(filters)
         self.prompts = load_prompts(idx_to_prompt)
@@ -282,8 +281,6 @@ class ShardStream(torch.utils.data.IterableDataset):
             caption = random.choice(self.prompts[str(raw["cls"])])
         else:
             caption = raw["caption"] or ""
-        if self.caption_dropout > 0 and random.random() < self.caption_dropout:
-            caption = ""
         return {"image": image, "caption": caption}
 
     def __iter__(self):
@@ -347,7 +344,8 @@ class WebDataset(ShardStream):
     urls: shard pattern(s) in brace notation - local paths, or `pipe:` commands writing a tar to
         stdout ("pipe:aws s3 cp s3://bucket/{00000..00999}.tar -").
     num_examples_to_see: samples per epoch over all ranks (sets the epoch's length).
-    size, interpolation, crop, flip_p, caption_dropout: as in lun.data.local.Local.
+    size, interpolation, crop, flip_p: as in lun.data.local.Local (captions are never dropped
+        here: see `model.params.ucg_rate`).
     filters: {json_key: ">=512", pwatermark: "<=0.5"}; samples missing a filtered key are dropped.
     idx_to_prompt: class-conditional mode (ImageNet-style): a JSON file or mapping from the `cls`
         value to a prompt or list of prompts, which becomes the caption.
@@ -363,7 +361,6 @@ class WebDataset(ShardStream):
         interpolation: str = "bicubic",
         crop: str = "center",
         flip_p: float = 0.0,
-        caption_dropout: float = 0.0,
         filters: dict | None = None,
         idx_to_prompt=None,
         shuffle_buffer: int = 1000,
@@ -388,7 +385,6 @@ class WebDataset(ShardStream):
             interpolation,
             crop,
             flip_p,
-            caption_dropout,
             filters,
             idx_to_prompt,
             shuffle_buffer,
@@ -460,7 +456,6 @@ class Parquet(ShardStream):
         interpolation: str = "bicubic",
         crop: str = "center",
         flip_p: float = 0.0,
-        caption_dropout: float = 0.0,
         filters: dict | None = None,
         idx_to_prompt=None,
         shuffle_buffer: int = 1000,
@@ -484,7 +479,6 @@ class Parquet(ShardStream):
             interpolation,
             crop,
             flip_p,
-            caption_dropout,
             filters,
             idx_to_prompt,
             shuffle_buffer,

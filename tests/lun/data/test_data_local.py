@@ -7,6 +7,8 @@ import time
 import pytest
 import torch
 
+from ldm.util import instantiate_from_config
+from lun.config import merge_configs, to_container, translate_legacy_keys
 from lun.data.local import Local
 
 
@@ -35,10 +37,29 @@ def test_images_without_caption_are_kept_empty_with_a_warning_or_skipped(flat_fo
         Local(str(flat_folder), cache_dir=False, missing_caption="drop")
 
 
-def test_caption_dropout_flip_crop_interpolation_and_limit(flat_folder):
-    assert (
-        _captions(Local(str(flat_folder), size=8, cache_dir=False, caption_dropout=1.0)) == [""] * 6
+def test_legacy_caption_dropout_reaches_the_model_and_the_dataset_keeps_captions(
+    flat_folder, tmp_path
+):
+    """`caption_dropout: 1.0` in an old config: every caption still comes back, every pass; the
+    probability is the model's ucg_rate (tests/lun/test_config.py covers the translation)."""
+    config = tmp_path / "legacy.yaml"
+    config.write_text(
+        "model: {target: ldm.diffusion.LatentDiffusion}\n"
+        "data:\n  target: lun.data.DataModule\n  params:\n    train:\n"
+        "      target: lun.data.local.Local\n"
+        f"      params: {{data_root: '{flat_folder}', size: 8, cache_dir: false, "
+        "caption_dropout: 1.0}\n"
     )
+    built = to_container(translate_legacy_keys(merge_configs([config])))
+    assert built["model"]["params"] == {"ucg_rate": 1.0}
+    dataset = instantiate_from_config(built["data"]["params"]["train"])
+    for _ in range(3):
+        assert _captions(dataset) == [f"caption {i}" for i in range(6)]
+    with pytest.raises(TypeError, match="caption_dropout"):  # the dataset no longer takes it
+        Local(str(flat_folder), cache_dir=False, caption_dropout=0.5)
+
+
+def test_flip_crop_interpolation_and_limit(flat_folder):
     plain = Local(str(flat_folder), size=8, cache_dir=False, interpolation="bilinear")
     flipped = Local(str(flat_folder), size=8, cache_dir=False, interpolation="bilinear", flip_p=1.0)
     assert torch.equal(flipped[5]["image"], plain[5]["image"].flip(-1))

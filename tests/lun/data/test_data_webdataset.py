@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from ldm.util import instantiate_from_config
+from lun.config import merge_configs, to_container, translate_legacy_keys
 from lun.data.webdataset import Parquet, WebDataset, check_filters, parse_filters
 
 
@@ -57,6 +59,26 @@ def test_filter_syntax():
     assert check_filters({"a": {"b": 2}}, parse_filters({"a.b": ">1"})) is None
     with pytest.raises(ValueError, match="needs a number"):
         parse_filters({"key": ">= large"})
+
+
+def test_not_equal_filter_drops_only_the_matching_value():
+    filters = parse_filters({"status": "!=failed", "width": "!= 21"})
+    assert filters == [("status", "!=", "failed"), ("width", "!=", 21.0)]
+    assert check_filters({"status": "success", "width": 22}, filters) is None
+    assert check_filters({"status": "failed", "width": 22}, filters) == "status not != failed"
+    assert check_filters({"status": "success", "width": 21}, filters) == "width not != 21"
+
+
+def test_not_equal_filter_on_a_stream(shards):
+    dataset = WebDataset(
+        str(shards / "shard-{000..003}.tar"),
+        num_examples_to_see=18,
+        size=8,
+        filters={"width": "!=21"},
+    )
+    captions = _captions(dataset, shuffle=False)
+    with_json = [f"c{n:02d}" for n in range(24) if n % 5]  # width 20 + n; every 5th has no json
+    assert captions == [c for c in with_json if c != "c01"]  # one pass, in shard order
 
 
 def test_filters_drop_samples_and_samples_missing_a_filtered_key(shards):
@@ -160,10 +182,9 @@ def test_transform_parameters_apply_to_streams(shards):
         interpolation="lanczos",
         crop="random",
         flip_p=1.0,
-        caption_dropout=1.0,
         shuffle_buffer=2,
     )
-    assert _captions(dataset) == [""] * 4
+    assert len(_captions(dataset)) == 4
     with pytest.raises(ValueError, match="crop='left'"):
         WebDataset(str(shards / "shard-000.tar"), 4, crop="left")
 
@@ -217,3 +238,41 @@ def test_parquet_source_with_filters_and_hf_image_structs(tmp_path, writers):
         shuffle_buffer=2,
     )
     assert sorted(_captions(classes, shuffle=False)) == ["a cat", "a cat", "a dog", "a dog"]
+
+
+def _legacy_train_split(tmp_path, target: str, params: str):
+    """The train split of an old config with `caption_dropout: 1.0`, through lun.config."""
+    config = tmp_path / "legacy.yaml"
+    config.write_text(
+        "model: {target: ldm.diffusion.LatentDiffusion, params: {}}\n"
+        f"data:\n  params:\n    train:\n      target: {target}\n"
+        f"      params: {{{params}, size: 8, caption_dropout: 1.0}}\n"
+    )
+    built = to_container(translate_legacy_keys(merge_configs([config])))
+    assert built["model"]["params"] == {"ucg_rate": 1.0}  # the probability is the model's now
+    return instantiate_from_config(built["data"]["params"]["train"])
+
+
+def test_legacy_caption_dropout_leaves_stream_captions_alone(shards, tmp_path, writers):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    dataset = _legacy_train_split(
+        tmp_path,
+        "lun.data.webdataset.WebDataset",
+        f"urls: '{shards / 'shard-{000..003}.tar'}', num_examples_to_see: 8, shuffle_buffer: 4",
+    )
+    for epoch in range(2):
+        dataset.set_epoch(epoch)
+        captions = _captions(dataset, num_workers=2)
+        assert len(captions) == 8 and all(c.startswith("c") for c in captions)
+    table = pa.table(
+        {"image": [writers.jpeg_bytes(seed=i) for i in range(4)], "caption": list("wxyz")}
+    )
+    pq.write_table(table, tmp_path / "p.parquet", row_group_size=2)
+    parquet = _legacy_train_split(
+        tmp_path, "lun.data.webdataset.Parquet", f"paths: '{tmp_path / 'p.parquet'}'"
+    )
+    assert _captions(parquet, shuffle=False) == ["w", "x", "y", "z"]
+    for stream in (WebDataset, Parquet):
+        with pytest.raises(TypeError, match="caption_dropout"):  # the streams no longer take it
+            stream("unused", 4, caption_dropout=0.5)
