@@ -114,11 +114,41 @@ def test_convert_to_safetensors_loads_back_strictly(tmp_path, trained_run):
     }
 
 
+def with_random_unet(trained_run: Path, out: Path, seed: int = 0) -> Path:
+    """The trained checkpoint with every UNet weight drawn at random, the zero-initialised output
+    layers (`out.2`, resblocks' `out_layers.3`, attention `proj_out`) included.
+
+    After 2 training steps those output layers are still ~0, so the UNet barely moves the image
+    and a pipeline with a wrong or missing UNet would still match ours. Random weights at the
+    scale of a trained network (norms ~1, weights ~1/sqrt(fan_in)) make the image the UNet's.
+    The EMA shadows are left as they were: both sides must use the model weights."""
+    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    contents = checkpoint.load_file_state(ckpt)
+    state = checkpoint.state_dict_of(contents)
+    unet = tiny_model(trained_run).model.diffusion_model
+    generator = torch.Generator().manual_seed(seed)
+    for module_name, module in unet.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            noise = torch.randn(param.shape, generator=generator)
+            if isinstance(module, torch.nn.GroupNorm | torch.nn.LayerNorm):
+                value = (1.0 if name == "weight" else 0.0) + 0.2 * noise
+            elif param.ndim == 1:  # biases
+                value = 0.2 * noise
+            else:
+                value = noise / param[0].numel() ** 0.5
+            key = f"model.diffusion_model.{module_name}.{name}".replace("..", ".")
+            assert key in state, key
+            state[key] = value
+    torch.save({**contents, "state_dict": state}, out)
+    return out
+
+
 def test_diffusers_pipeline_matches_our_txt2img(tmp_path, trained_run):
     diffusers = pytest.importorskip("diffusers")
-    ckpt = trained_run / "checkpoints" / "last.ckpt"
+    (config,) = sorted((trained_run / "configs").glob("*-project.yaml"))
+    ckpt = with_random_unet(trained_run, tmp_path / "random_unet.ckpt")
     folder = tmp_path / "pipeline"
-    convert.main([str(ckpt), "--to-diffusers", str(folder)])
+    convert.main([str(ckpt), "--config", str(config), "--to-diffusers", str(folder)])
     pipe = diffusers.StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
 
     model = tiny_model(trained_run).eval()
@@ -127,6 +157,15 @@ def test_diffusers_pipeline_matches_our_txt2img(tmp_path, trained_run):
     ours = model.sample(
         ["a blue square"], height=32, width=32, steps=5, scale=4.0, noise=noise.clone()
     )
+    # The test can see the UNet: without it (zeroed) our image moves far beyond the tolerance
+    # below (by ~0.3 of the range at some pixel).
+    with torch.no_grad():
+        for param in model.model.diffusion_model.parameters():
+            param.zero_()
+    no_unet = model.sample(
+        ["a blue square"], height=32, width=32, steps=5, scale=4.0, noise=noise.clone()
+    )
+    assert ((ours - no_unet) / 2).abs().max() > 50 * 2e-3
     theirs = pipe(
         "a blue square",
         height=32,

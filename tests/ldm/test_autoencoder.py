@@ -141,8 +141,10 @@ def test_bad_config_names_the_key(change, message):
 
 
 def test_ckpt_path_loads_vae_from_a_full_checkpoint(tmp_path):
-    pytest.importorskip("ldm.checkpoint")
     from safetensors.torch import save_file
+
+    # Our own module (ckpt_path= loads through it), not an optional one: broken fails, never skips.
+    import ldm.checkpoint  # noqa: F401
 
     source = tiny_vae(seed=1)
     state = {PREFIX + k: v.contiguous() for k, v in source.state_dict().items()}

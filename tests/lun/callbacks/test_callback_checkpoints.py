@@ -1,3 +1,4 @@
+import builtins
 import errno
 import io
 import os
@@ -13,6 +14,8 @@ from lun import atomic_io
 from lun.atomic_io import AtomicCheckpointIO, atomic_torch_save
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
+from lun.run import RunDir
+from lun.trainer import build_trainer
 
 
 def load(path):
@@ -169,3 +172,106 @@ def test_trainer_checkpoints_go_through_the_atomic_writer(
     assert all(
         torch.equal(checkpoint["state_dict"]["model." + n], w) for n, w in weights[2].items()
     )
+
+
+def checkpoint_folder_on_its_own_disk(monkeypatch, folder, full_from_step: int):
+    """The file-system faults of a run folder on a disk of its own (logs on a data or shared disk,
+    $TMPDIR elsewhere, e.g. on tmpfs), a disk that fills up during the save of `full_from_step`.
+
+    - A rename into `folder` from another folder fails with EXDEV, as the kernel does across
+      file systems (so a writer must stage its temporary file in the checkpoint's own folder).
+    - Once full, every write onto that disk fails with ENOSPC: `torch.save` into a file writes
+      half the bytes first; opening a file of `folder` for writing truncates it (as `open(.., "wb")`
+      does) before the first write fails. Memory and the other disk still have room.
+    """
+    folder = os.path.realpath(folder)
+    full = False
+    real_save, real_open = torch.save, builtins.open
+
+    def folder_of(path) -> str:
+        return os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+    def in_folder(path) -> bool:
+        return isinstance(path, str | os.PathLike) and folder_of(path) == folder
+
+    def no_space():
+        return OSError(errno.ENOSPC, "No space left on device")
+
+    def save(obj, file, *args, **kwargs):
+        nonlocal full
+        full = full or (isinstance(obj, dict) and obj.get("global_step") == full_from_step)
+        if not full or isinstance(file, io.BytesIO):
+            return real_save(obj, file, *args, **kwargs)
+        if in_folder(file):
+            file = real_open(file, "wb")
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        file.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+        file.flush()
+        raise no_space()
+
+    def open_(file, mode="r", *args, **kwargs):
+        if full and in_folder(file) and any(c in mode for c in "wax+"):
+            real_open(file, "wb").close()
+            raise no_space()
+        return real_open(file, mode, *args, **kwargs)
+
+    def rename_with(real):
+        def rename(src, dst, *args, **kwargs):
+            if in_folder(dst) and not in_folder(src):
+                raise OSError(errno.EXDEV, "Invalid cross-device link", os.fspath(src))
+            return real(src, dst, *args, **kwargs)
+
+        return rename
+
+    monkeypatch.setattr(torch, "save", save)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(os, "rename", rename_with(os.rename))
+    monkeypatch.setattr(os, "replace", rename_with(os.replace))
+
+
+def test_the_launchers_trainer_never_leaves_a_partial_checkpoint(
+    make_module, make_loader, tmp_path, monkeypatch
+):
+    """Through `lun.trainer.build_trainer` (what main.py runs) and its own checkpoint_io: a save
+    that fails half-way leaves the previous complete checkpoint of that name, and no partial file
+    under any checkpoint name - also when the temporary folder is on another disk."""
+    run = RunDir(tmp_path / "run")
+    run.create()
+    lightning_cfg = {
+        "trainer": {
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 6,
+            "enable_model_summary": False,
+            "enable_progress_bar": False,
+            "num_sanity_val_steps": 0,
+        },
+        "logger": False,
+        "callbacks": {
+            "progress_bar": None,
+            "metrics_over_trainsteps_checkpoint": None,
+            "modelcheckpoint": {"params": {"every_n_train_steps": 2}},
+        },
+    }
+    trainer = build_trainer(lightning_cfg, run, has_validation=False)
+    weights = {}
+
+    class Remember(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            weights[trainer.global_step] = trainable_weights(pl_module)
+
+    trainer.callbacks.insert(0, Remember())
+    checkpoint_folder_on_its_own_disk(monkeypatch, run.checkpoints, full_from_step=4)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.fit(make_module(), make_loader())
+    monkeypatch.undo()
+
+    # The save at step 4 (and the crash checkpoint after it) failed: what is left is step 2, whole.
+    assert sorted(os.listdir(run.checkpoints)) == ["every-2-steps.ckpt", "last.ckpt"]
+    for name in ("every-2-steps.ckpt", "last.ckpt"):
+        checkpoint = load(run.checkpoints / name)
+        assert checkpoint["global_step"] == 2
+        assert all(
+            torch.equal(checkpoint["state_dict"]["model." + n], w) for n, w in weights[2].items()
+        )
