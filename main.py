@@ -10,7 +10,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from lun.config import ConfigError, check_complete, merge_configs, to_container
+from lun.config import (
+    ConfigError,
+    check_complete,
+    merge_configs,
+    to_container,
+    translate_legacy_keys,
+)
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -94,32 +100,35 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         bases = opt.base
         name = opt.name or (Path(bases[0]).stem if bases else "run")
         run_dir = new_run_dir(opt.logdir, name, opt.postfix)
-    cfg = merge_configs(bases, dotlist)
+    cfg = translate_legacy_keys(merge_configs(bases, dotlist))
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"the merged config has no '{section}' section")
     check_complete(cfg)
     config = to_container(cfg)
     lightning_cfg = config.get("lightning") or {}
+    model_params = config["model"].setdefault("params", {})
 
     seed_everything(opt.seed, workers=True)
+    # Only a config mistake (unknown target or parameter) is a config error: a TypeError raised
+    # inside a constructor is a bug and keeps its traceback.
     try:
-        model = instantiate_from_config(config["model"])
         data = instantiate_from_config(config["data"])
         data_params = config["data"].get("params") or {}
         # The original configs' `model.params.use_ema` switches on the EMA callback.
-        use_ema = bool(config["model"].get("params", {}).get("use_ema", False))
+        use_ema = bool(model_params.get("use_ema", False))
         trainer = build_trainer(lightning_cfg, run_dir, "validation" in data_params, use_ema)
+        # The learning rate is a constructor value (lun.contract): written before building.
+        if "base_learning_rate" in config["model"]:
+            base_lr = config["model"]["base_learning_rate"]
+            lr = scaled_learning_rate(base_lr, data, trainer) if opt.scale_lr else base_lr
+            model_params["learning_rate"] = lr
+        elif opt.scale_lr:
+            raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
+        model = instantiate_from_config(config["model"])
     except TargetError as err:
         raise ConfigError(str(err)) from None
-    except TypeError as err:
-        # A wrong parameter name in a `params:` block reaches the constructor as a TypeError.
-        raise ConfigError(str(err).splitlines()[0]) from None
 
-    base_lr = config["model"].get("base_learning_rate", 1.0e-4)
-    model.learning_rate = (
-        scaled_learning_rate(base_lr, config, trainer) if opt.scale_lr else base_lr
-    )
     if is_rank_zero():
         run_dir.create()
         run_dir.save_configs(cfg)
@@ -132,8 +141,8 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     return 0
 
 
-def scaled_learning_rate(base_lr: float, config: dict, trainer) -> float:
-    batch_size = config["data"]["params"]["batch_size"]
+def scaled_learning_rate(base_lr: float, data, trainer) -> float:
+    batch_size = data.batch_size("train")
     accumulate = trainer.accumulate_grad_batches
     devices, nodes = trainer.num_devices, trainer.num_nodes
     lr = accumulate * devices * nodes * batch_size * base_lr

@@ -291,34 +291,13 @@ class AutoencoderKL(nn.Module):
         self.quant_conv = nn.Conv2d(2 * z_channels, 2 * embed_dim, 1)
         self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
         self.embed_dim = embed_dim
-        self.monitor = monitor
-        self.image_key = image_key
+        # Geometry LatentDiffusion asks for: latent channels and the downsampling factor.
+        self.latent_channels = embed_dim
+        self.downscale = 2 ** (len(ddconfig["ch_mult"]) - 1)
         if ckpt_path is not None:
-            self.init_from_ckpt(ckpt_path, ignore_keys)
+            from ldm.checkpoint import load_first_stage  # the one weight-layout layer
 
-    def init_from_ckpt(self, path: str, ignore_keys: tuple[str, ...] = ()) -> None:
-        """Load this VAE's weights (strict) from a VAE file or a full SD checkpoint."""
-        from ldm.checkpoint import load_file_state, state_dict_of  # the one safe loader
-
-        state = state_dict_of(load_file_state(path))
-        prefix = "first_stage_model."
-        if any(k.startswith(prefix) for k in state):
-            state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-        own = self.state_dict()
-        # Files of the original VAE training also carry `loss.*` (LPIPS, discriminator) and
-        # EMA keys; only this module's names are taken, and every one of them must be there.
-        state = {
-            k: v
-            for k, v in state.items()
-            if k in own and not any(k.startswith(p) for p in ignore_keys)
-        }
-        missing = sorted(set(own) - set(state))
-        if missing:
-            raise KeyError(
-                f"{path}: not an AutoencoderKL checkpoint for this ddconfig; {len(missing)} keys "
-                f"missing, e.g. {missing[:3]}"
-            )
-        self.load_state_dict(state, strict=True)
+            load_first_stage(self, ckpt_path, ignore_keys)
 
     def encode(self, x: torch.Tensor) -> DiagonalGaussianDistribution:
         moments = self.quant_conv(self.encoder(x))  # (B, 2*embed_dim, H/f, W/f)
@@ -383,7 +362,18 @@ class PassThroughLatent:
 
 
 class IdentityFirstStage(nn.Module):
-    """No autoencoder: diffusion runs in pixel space (tiny demos and tests). No parameters."""
+    """No autoencoder: diffusion runs in pixel space (tiny demos and tests). No parameters.
+
+    Args:
+        channels: image channels, which are then the latent channels (3 for RGB).
+        vq_interface: accepted from the original configs; unused.
+    """
+
+    downscale = 1
+
+    def __init__(self, channels: int = 3, vq_interface: bool = False):
+        super().__init__()
+        self.latent_channels = channels
 
     def encode(self, x: torch.Tensor) -> PassThroughLatent:
         return PassThroughLatent(x)

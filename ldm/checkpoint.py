@@ -1,10 +1,16 @@
 """Weights in and out: safe loading, the original Stable Diffusion layout, EMA selection.
 
-Every mapping between layouts lives here:
-- the v1 text encoder: transformers >= 5.6 names `CLIPTextModel` parameters without the
-  `text_model.` level that original checkpoints have; older checkpoints also carry
-  `embeddings.position_ids`. We write the `text_model.` form and accept both.
+Every key rule lives here (no other file spells a layout prefix):
+- Our modules carry the original names (`model.diffusion_model.*`, `first_stage_model.*`,
+  `cond_stage_model.*`), so `LatentDiffusion.state_dict()` is an original checkpoint with no
+  renaming hooks (hooks would collide with the ones FSDP and DeepSpeed install).
+- The v1 text encoder on load: files without the `text_model.` level (transformers >= 5.6
+  `CLIPTextModel` names) are accepted, and `embeddings.position_ids` (a constant older files
+  carry) is dropped.
 - EMA: `model_ema.<name of a parameter of LatentDiffusion.model, dots removed>` shadows the UNet.
+- Wrappers: the levels torch.compile, FSDP and activation checkpointing add to parameter names,
+  and the "model" level of Lightning's sharded FSDP checkpoints.
+- A VAE file: bare or under `first_stage_model.` of a full checkpoint.
 """
 
 import hashlib
@@ -18,6 +24,12 @@ from safetensors.torch import load_file, save_file
 CLIP_PREFIX = "cond_stage_model.transformer."
 EMA_PREFIX = "model_ema."
 EMA_SCALARS = ("model_ema.decay", "model_ema.num_updates")
+BACKBONE_PREFIX = "model."  # LatentDiffusion.model (the wrapper holding `diffusion_model`)
+FIRST_STAGE_PREFIX = "first_stage_model."
+# Levels that wrappers add to parameter names (torch.compile, FSDP units, FSDP checkpointing).
+WRAPPER_LEVELS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+# Lightning's sharded FSDP checkpoints store the module's state dict under this key.
+SHARDED_MODULE_KEY = "model"
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -91,28 +103,53 @@ def state_dict_of(contents: Mapping) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def to_original_layout(state: dict, prefix: str = "", clip_has_text_model: bool = True) -> None:
-    """In place: our module names -> original checkpoint names (the v1 text encoder's level)."""
-    if clip_has_text_model:
-        return
-    head = prefix + CLIP_PREFIX
-    for key in [k for k in state if k.startswith(head)]:
-        state[head + "text_model." + key[len(head) :]] = state.pop(key)
-
-
-def from_original_layout(state: dict, prefix: str = "", clip_has_text_model: bool = True) -> None:
+def from_original_layout(state: dict, prefix: str = "") -> None:
     """In place: accept both text-encoder forms, drop `position_ids` (a constant, not a weight)."""
     head = prefix + CLIP_PREFIX
     for key in [k for k in state if k.startswith(head)]:
         rest = key[len(head) :]
         if rest.endswith("embeddings.position_ids"):
             del state[key]
-            continue
-        has_level = rest.startswith("text_model.")
-        if has_level and not clip_has_text_model:
-            state[head + rest[len("text_model.") :]] = state.pop(key)
-        elif not has_level and clip_has_text_model:
+        elif not rest.startswith("text_model."):
             state[head + "text_model." + rest] = state.pop(key)
+
+
+def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
+    """`LatentDiffusion`'s load hook: original files load strictly (both text-encoder forms,
+    no `position_ids`), and the EMA shadows are left to their owner (the EMA callback, or
+    `apply_ema`). It only drops or adds the level of keys the module has, so it never collides
+    with the hooks of FSDP or DeepSpeed; nothing is renamed on save."""
+    from_original_layout(state, prefix)
+    for key in [k for k in state if k.startswith(prefix + EMA_PREFIX)]:
+        del state[key]
+
+
+def without_wrapper_levels(name: str) -> str:
+    """A parameter name as the bare module has it (levels of torch.compile / FSDP removed)."""
+    for level in WRAPPER_LEVELS:
+        name = name.replace(level, "")
+    return name
+
+
+def backbone_names(state: Mapping) -> list[str]:
+    """The backbone's parameter names (`diffusion_model.*`) in a checkpoint's state dict."""
+    return [k.removeprefix(BACKBONE_PREFIX) for k in state if k.startswith(BACKBONE_PREFIX)]
+
+
+def to_transformers_clip(clip_state: Mapping, text_model: torch.nn.Module) -> dict:
+    """A CLIP text state dict in the `text_model.*` form -> the names of the installed
+    transformers' `CLIPTextModel` (>= 5.6 has no `text_model.` level), without `position_ids`."""
+    has_level = any(k.startswith("text_model.") for k in text_model.state_dict())
+    return {
+        (k if has_level else k.removeprefix("text_model.")): v
+        for k, v in clip_state.items()
+        if not k.endswith("position_ids")
+    }
+
+
+def backbone_key(name: str) -> str:
+    """`diffusion_model.input_blocks.0.0.weight` -> its checkpoint key `model.diffusion_model...`."""
+    return BACKBONE_PREFIX + name
 
 
 def ema_key(name: str) -> str:
@@ -131,7 +168,7 @@ def apply_ema(state: dict, unet_names: Iterable[str]) -> dict:
     for name in unet_names:
         shadow = ema_key(name)
         if shadow in state:
-            state["model." + name] = state[shadow]
+            state[backbone_key(name)] = state[shadow]
         else:
             missing.append(shadow)
     if missing:
@@ -164,10 +201,37 @@ def load_weights(
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none (model_ema.*)")
     unet_names = [n for n, p in model.model.named_parameters()]
     weights = apply_ema(state, unet_names) if use_ema else without_ema(state)
+    from_original_layout(weights)
     result = model.load_state_dict(weights, strict=False)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
     return state
+
+
+def load_first_stage(vae: torch.nn.Module, path: str | Path, ignore_keys=()) -> None:
+    """Load a VAE's weights (strict) from a VAE file or a full SD checkpoint (`first_stage_model.*`).
+
+    Files of the original VAE training also carry `loss.*` (LPIPS, discriminator) and EMA keys;
+    only the VAE's own names are taken, and every one of them must be there.
+    """
+    state = state_dict_of(load_file_state(path))
+    if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
+        state = {
+            k.removeprefix(FIRST_STAGE_PREFIX): v
+            for k, v in state.items()
+            if k.startswith(FIRST_STAGE_PREFIX)
+        }
+    own = vae.state_dict()
+    state = {
+        k: v for k, v in state.items() if k in own and not any(k.startswith(p) for p in ignore_keys)
+    }
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise KeyError(
+            f"{path}: not an AutoencoderKL checkpoint for this ddconfig; {len(missing)} keys "
+            f"missing, e.g. {missing[:3]}"
+        )
+    vae.load_state_dict(state, strict=True)
 
 
 def mismatch_message(path, missing: list[str], unexpected: list[str]) -> str:

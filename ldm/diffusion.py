@@ -6,6 +6,7 @@ Rombach et al. 2022, "High-Resolution Image Synthesis with Latent Diffusion Mode
 """
 
 import logging
+from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
@@ -14,73 +15,55 @@ from torch import nn
 
 from ldm import checkpoint, sampling
 from ldm.optim import build_optimizer, build_scheduler
-from ldm.schedule import make_betas, rescale_zero_terminal_snr, schedule_buffers, snr
+from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
 
 log = logging.getLogger(__name__)
 
-# Keys of the original configs' `model.params` that describe the original code's bookkeeping.
-# They are accepted so that original configs load unchanged, and have no effect here.
-ORIGINAL_ONLY_OPTIONS = {
-    "num_timesteps_cond",
-    "log_every_t",
-    "first_stage_key",
-    "cond_stage_key",
-    "image_size",
-    "channels",
-    "monitor",
-    "use_ema",
-    "conditioning_key",
-    "cond_stage_forward",
-    "scale_by_std",
-    "loss_type",
-    "ignore_keys",
-    "load_only_unet",
-}
 TIMESTEP_BUCKETS = 4  # loss is also logged per quarter of the timestep range
 
 
 class DiffusionWrapper(nn.Module):
-    """Holds the UNet as `diffusion_model` - the name every original checkpoint uses."""
+    """Holds the backbone as `diffusion_model` - the name every original checkpoint uses."""
 
     def __init__(self, diffusion_model: nn.Module):
         super().__init__()
         self.diffusion_model = diffusion_model
 
-    def forward(self, x, t, context=None, y=None):
-        return self.diffusion_model(x, t, context=context, y=y)
-
-
-def _to_original_layout(module, state_dict, prefix, local_metadata):
-    checkpoint.to_original_layout(state_dict, prefix, module._clip_has_text_model)
-
-
-def _from_original_layout(module, state_dict, prefix, *args):
-    checkpoint.from_original_layout(state_dict, prefix, module._clip_has_text_model)
-    # EMA shadows belong to the EMA callback (or to checkpoint.apply_ema), not to the module.
-    for key in [k for k in state_dict if k.startswith(prefix + checkpoint.EMA_PREFIX)]:
-        del state_dict[key]
+    def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
+        return self.diffusion_model(x, t, cond)
 
 
 class LatentDiffusion(pl.LightningModule):
-    """Text-to-image latent diffusion: frozen VAE + text encoder, trainable UNet.
+    """Conditional latent diffusion: a frozen first stage (VAE), a conditioner, a trainable backbone.
+
+    The parts meet at three seams: the conditioner turns a batch into named tensors
+    (`ldm.conditioning`), the backbone is any module with `forward(x, t, cond)` that tells its
+    geometry (`in_channels`, `size_multiple`, `image_size`), and the first stage tells its
+    `latent_channels` and `downscale`. Nothing here reads the parts' configs. The original
+    configs' names (`unet_config`, `cond_stage_config`, `ucg_rate`, `linear_start`, ...) are
+    translated to these by `ldm.util` before construction.
 
     Args:
-        unet_config, first_stage_config, cond_stage_config: `{target, params}` of the UNet, the
-            first stage (VAE, or `IdentityFirstStage` for pixel-space demos) and the text encoder.
-        parameterization: what the UNet predicts: "eps" (noise; SD 1.x, 2.x-base) or "v"
+        backbone_config: `{target, params}` of the denoising network (`ldm.unet.UNetModel`).
+        first_stage_config: the VAE (`ldm.autoencoder.AutoencoderKL`), or `IdentityFirstStage`
+            for pixel-space models.
+        conditioner_config: the conditioner: a text encoder (`ldm.text_encoder.FrozenCLIPEmbedder`
+            (v1), `FrozenOpenCLIPEmbedder` (v2)) or `ldm.conditioning.ClassLabels`; it owns the
+            caption / label dropout for classifier-free guidance (its `ucg_rate`).
+        parameterization: what the backbone predicts: "eps" (noise; SD 1.x, 2.x-base) or "v"
             (velocity, Salimans & Ho 2022; SD 2.x-768).
-        timesteps, beta_schedule, linear_start, linear_end: the DDPM noise schedule ("linear" is
-            SD's: linspace(sqrt(start), sqrt(end)) ** 2).
-        zero_terminal_snr: rescale the schedule so the last step is pure noise (Lin et al. 2023,
-            arXiv:2305.08891); use with parameterization "v".
+        schedule: the DDPM noise schedule, arguments of `ldm.schedule.schedule_betas`:
+            `timesteps` (1000), `beta_schedule` ("linear" is SD's: linspace(sqrt(start),
+            sqrt(end)) ** 2), `linear_start` (0.00085), `linear_end` (0.012), `cosine_s`,
+            `zero_terminal_snr` (Lin et al. 2023, arXiv:2305.08891; use with "v").
         scale_factor: latents are multiplied by it after encoding (0.18215 for the SD VAE).
-        ucg_rate: probability of training on the empty caption (for classifier-free guidance).
         min_snr_gamma: weight the loss by min(SNR, gamma)/SNR (Hang et al. 2023,
             arXiv:2303.09556); None = plain MSE. 5.0 is the paper's choice.
         offset_noise: add `offset_noise * N(0, 1)` per sample and channel to the noise, which lets
             the model learn very dark/bright images (Guttenberg 2023); 0.1 is common.
-        cond_stage_trainable: train the text encoder too (otherwise frozen, no optimizer state).
+        learning_rate: the optimizer's learning rate; the launcher writes `base_learning_rate`
+            (scaled with `--scale_lr`) here.
         optimizer_config: `{target: adamw | adamw8bit | dotted.Path, params}` (default AdamW,
             weight decay 0.01). scheduler_config: `{target, params}` of an LR multiplier, e.g.
             `ldm.optim.WarmupScheduler` or the original `LambdaLinearScheduler`.
@@ -88,97 +71,110 @@ class LatentDiffusion(pl.LightningModule):
             load_ema: start from its EMA weights instead of the raw ones.
         first_stage_fp32: run the VAE in its own (float32) weights with autocast off under mixed
             precision; the SD VAE overflows in fp16. Its latents come back in the input's dtype.
-        channels_last: keep the UNet's weights and inputs in channels-last memory format (faster
-            convolutions on tensor-core GPUs).
-        compile_unet: `torch.compile` the UNet in place (names, and so checkpoints, unchanged):
-            true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
+        channels_last: keep the backbone's weights and inputs in channels-last memory format
+            (faster convolutions on tensor-core GPUs).
+        compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
+            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
     """
 
     def __init__(
         self,
-        unet_config,
-        first_stage_config,
-        cond_stage_config,
-        parameterization="eps",
-        timesteps=1000,
-        beta_schedule="linear",
-        linear_start=0.00085,
-        linear_end=0.012,
-        zero_terminal_snr=False,
-        scale_factor=0.18215,
-        ucg_rate=0.0,
-        min_snr_gamma=None,
-        offset_noise=0.0,
-        cond_stage_trainable=False,
-        optimizer_config=None,
-        scheduler_config=None,
-        ckpt_path=None,
-        load_ema=False,
-        first_stage_fp32=True,
-        channels_last=False,
-        compile_unet=None,
-        **original_options,
+        backbone_config: Mapping,
+        first_stage_config: Mapping,
+        conditioner_config: Mapping,
+        parameterization: str = "eps",
+        schedule: Mapping | None = None,
+        scale_factor: float = 0.18215,
+        min_snr_gamma: float | None = None,
+        offset_noise: float = 0.0,
+        learning_rate: float = 1.0e-4,
+        optimizer_config: Mapping | None = None,
+        scheduler_config: Mapping | None = None,
+        ckpt_path: str | None = None,
+        load_ema: bool = False,
+        first_stage_fp32: bool = True,
+        channels_last: bool = False,
+        compile_backbone: bool | Mapping | None = None,
     ):
         super().__init__()
-        unknown = set(original_options) - ORIGINAL_ONLY_OPTIONS
-        if unknown:
-            raise TypeError(
-                f"LatentDiffusion got unknown parameter(s): {', '.join(sorted(unknown))}"
-            )
         if parameterization not in ("eps", "v"):
             raise ValueError(f"parameterization must be 'eps' or 'v', got '{parameterization}'")
-        if original_options.get("conditioning_key", "crossattn") != "crossattn":
-            raise ValueError("only conditioning_key: crossattn is supported")
         self.parameterization = parameterization
         self.scale_factor = scale_factor
-        self.ucg_rate, self.min_snr_gamma, self.offset_noise = ucg_rate, min_snr_gamma, offset_noise
-        self.cond_stage_trainable = cond_stage_trainable
+        self.min_snr_gamma, self.offset_noise = min_snr_gamma, offset_noise
+        self.learning_rate = learning_rate
         self.optimizer_config, self.scheduler_config = optimizer_config, scheduler_config
-        self.learning_rate = 1.0e-4  # the launcher sets base (or scaled) learning rate
-        self.latent_size = original_options.get("image_size", 64)
-        self.latent_channels = unet_config["params"]["in_channels"]
-        self.downscale = 2 ** (
-            len(first_stage_config.get("params", {}).get("ddconfig", {}).get("ch_mult", [1])) - 1
-        )
-        # Image sides must survive the VAE's and then the UNet's downsampling without remainder.
-        self.size_multiple = self.downscale * 2 ** (len(unet_config["params"]["channel_mult"]) - 1)
 
-        self.model = DiffusionWrapper(instantiate_from_config(unet_config))
+        # Submodule names are the original checkpoints' (see ldm.checkpoint).
+        self.model = DiffusionWrapper(instantiate_from_config(backbone_config))
         self.first_stage_model = instantiate_from_config(first_stage_config)
-        self.cond_stage_model = instantiate_from_config(cond_stage_config)
+        self.cond_stage_model = instantiate_from_config(conditioner_config)
         self.first_stage_model.requires_grad_(False)
-        self.cond_stage_model.requires_grad_(cond_stage_trainable)
+        self._check_geometry()
+        self.register_load_state_dict_pre_hook(checkpoint.load_state_dict_pre_hook)
 
-        betas = make_betas(beta_schedule, timesteps, linear_start, linear_end)
-        if zero_terminal_snr:
-            betas = rescale_zero_terminal_snr(betas)
-        self.num_timesteps = timesteps
+        betas = schedule_betas(**(schedule or {}))
+        self.num_timesteps = len(betas)
         for name, value in schedule_buffers(betas).items():
             self.register_buffer(name, value)
 
-        # Checkpoints are in the original layout whatever the installed transformers names.
-        clip = getattr(self.cond_stage_model, "transformer", None)
-        self._clip_has_text_model = clip is None or any(
-            k.startswith("text_model.") for k in clip.state_dict()
-        )
-        self.register_state_dict_post_hook(_to_original_layout)
-        self.register_load_state_dict_pre_hook(_from_original_layout)
         if ckpt_path:
             checkpoint.load_weights(self, ckpt_path, ema=load_ema)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
         self.first_stage_fp32, self.channels_last = first_stage_fp32, channels_last
         if channels_last:
-            self.model.diffusion_model.to(memory_format=torch.channels_last)
-        if compile_unet:
-            self.model.diffusion_model.compile(**({} if compile_unet is True else compile_unet))
+            self.backbone.to(memory_format=torch.channels_last)
+        if compile_backbone:
+            self.backbone.compile(**({} if compile_backbone is True else compile_backbone))
         self._loss_window: tuple[list, list] = ([], [])  # per-sample losses, t of this step
         self.train()
 
+    def _check_geometry(self) -> None:
+        """Latent channels, downscale and the size multiple, from the built parts."""
+        backbone, first_stage = self.backbone, self.first_stage_model
+        if backbone.in_channels != first_stage.latent_channels:
+            raise ValueError(
+                f"the backbone takes {backbone.in_channels} channels, the first stage makes "
+                f"{first_stage.latent_channels} (backbone_config.params.in_channels)"
+            )
+        self.latent_channels = first_stage.latent_channels
+        self.downscale = first_stage.downscale
+        # Image sides must survive the first stage's and then the backbone's downsampling.
+        self.size_multiple = self.downscale * backbone.size_multiple
+        self.latent_size = backbone.image_size or 64  # default sample size, in latent pixels
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self.model.diffusion_model
+
+    @property
+    def conditioner(self) -> nn.Module:
+        """The conditioner (`cond_stage_model` in checkpoints)."""
+        return self.cond_stage_model
+
+    # --- the contract with lun (lun.contract.DiffusionModule) ---------------------------------
+    @property
+    def ema_module(self) -> nn.Module:
+        """The module whose trainable weights an EMA averages (checkpoint names `model.*`)."""
+        return self.model
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        """(C, h, w) of the latent of an image of height x width pixels."""
+        if height % self.size_multiple or width % self.size_multiple:
+            raise ValueError(
+                f"height and width must be multiples of {self.size_multiple} for this model, "
+                f"got {height}x{width}"
+            )
+        return self.latent_channels, height // self.downscale, width // self.downscale
+
+    @property
+    def default_image_size(self) -> int:
+        """Image side the model was made for (the backbone's native latent size x downscale)."""
+        return self.latent_size * self.downscale
+
     def train(self, mode: bool = True):
         super().train(mode)
-        self.first_stage_model.eval()  # frozen parts stay in eval mode (no dropout)
-        if not self.cond_stage_trainable:
-            self.cond_stage_model.eval()
+        self.first_stage_model.eval()  # frozen: no dropout (a frozen conditioner sees to itself)
         return self
 
     # --- the three models --------------------------------------------------------------------
@@ -206,17 +202,24 @@ class LatentDiffusion(pl.LightningModule):
         with torch.autocast(x.device.type, enabled=False):
             return fn(x.to(weight.dtype)).to(x.dtype)
 
-    def get_learned_conditioning(self, texts: list[str]) -> torch.Tensor:
-        """Captions -> cross-attention context (B, 77, D); no graph unless the encoder trains."""
-        with torch.set_grad_enabled(self.cond_stage_trainable and torch.is_grad_enabled()):
-            return self.cond_stage_model(list(texts))
+    def conditioning(
+        self, batch: Mapping, generator: torch.Generator | None = None, drop: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """The conditioner's named tensors for `batch` (with CFG dropout when `drop`)."""
+        cond = self.cond_stage_model.condition(batch, generator, drop)
+        return {field: value.to(self.device) for field, value in cond.items()}
+
+    def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]:
+        """The guidance's unconditional side for `batch` (null inputs, or `negative`)."""
+        cond = self.cond_stage_model.unconditional(batch, negative)
+        return {field: value.to(self.device) for field, value in cond.items()}
 
     def apply_model(
-        self, x_t: torch.Tensor, t: torch.Tensor, context: torch.Tensor
+        self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
         if self.channels_last:
             x_t = x_t.contiguous(memory_format=torch.channels_last)
-        return self.model(x_t, t, context=context)
+        return self.model(x_t, t, cond)
 
     # --- training ----------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -268,10 +271,7 @@ class LatentDiffusion(pl.LightningModule):
             z = batch["latent"]  # cached latents, already multiplied by scale_factor
         else:
             z = self.encode_first_stage(batch["image"], generator)
-        captions = list(batch["caption"])
-        if self.training:
-            captions = self.drop_captions(captions, generator)
-        context = self.get_learned_conditioning(captions)
+        cond = self.conditioning(batch, generator, drop=self.training)
 
         b = z.shape[0]
         t = torch.randint(0, self.num_timesteps, (b,), generator=generator, device=z.device)
@@ -287,22 +287,13 @@ class LatentDiffusion(pl.LightningModule):
             noise if self.parameterization == "eps" else a * noise - s * z
         )  # v = sqrt(abar) eps - sqrt(1-abar) x0
 
-        prediction = self.apply_model(x_t, t, context)
+        prediction = self.apply_model(x_t, t, cond)
         per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
             dim=(1, 2, 3)
         )
         if self.min_snr_gamma is not None:
             per_sample = per_sample * self.min_snr_weight(t)
         return per_sample.mean(), per_sample.detach(), t
-
-    def drop_captions(
-        self, captions: list[str], generator: torch.Generator | None = None
-    ) -> list[str]:
-        """Replace each caption by "" with probability `ucg_rate` (Ho & Salimans 2022, CFG training)."""
-        if self.ucg_rate <= 0:
-            return captions
-        drop = torch.rand(len(captions), generator=generator, device=self.device) < self.ucg_rate
-        return ["" if d else c for c, d in zip(captions, drop.tolist())]
 
     def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
         """min(SNR, gamma) / SNR for eps, min(SNR, gamma) / (SNR + 1) for v (Hang et al. 2023, Eq. 10)."""
@@ -314,8 +305,7 @@ class LatentDiffusion(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        if self.cond_stage_trainable:
-            params += [p for p in self.cond_stage_model.parameters() if p.requires_grad]
+        params += [p for p in self.cond_stage_model.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, self.learning_rate, self.optimizer_config)
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
@@ -324,8 +314,8 @@ class LatentDiffusion(pl.LightningModule):
     @torch.no_grad()
     def sample(
         self,
-        prompts: list[str],
-        negative_prompts: list[str] | None = None,
+        inputs,
+        negative=None,
         *,
         height: int | None = None,
         width: int | None = None,
@@ -339,25 +329,17 @@ class LatentDiffusion(pl.LightningModule):
         init_images: torch.Tensor | None = None,
         strength: float = 1.0,
     ) -> torch.Tensor:
-        """Generate images (B, 3, H, W) in [-1, 1] for `prompts` (img2img when `init_images`)."""
-        height = height or self.latent_size * self.downscale
-        width = width or self.latent_size * self.downscale
-        if height % self.size_multiple or width % self.size_multiple:
-            raise ValueError(
-                f"height and width must be multiples of {self.size_multiple} for this model, "
-                f"got {height}x{width}"
-            )
-        b = len(prompts)
-        context = self.get_learned_conditioning(prompts)
-        uncond = None
-        if scale != 1.0:
-            uncond = self.get_learned_conditioning(negative_prompts or [""] * b)
-        shape = (
-            b,
-            self.latent_channels,
-            height // self.downscale,
-            width // self.downscale,
-        )
+        """Generate images (B, 3, H, W) in [-1, 1] (img2img when `init_images`).
+
+        inputs: what the conditioner reads - prompts (list of str), class ids, or a batch dict;
+        negative: the unconditional side's inputs instead of the null ones (negative prompts).
+        """
+        batch = self.cond_stage_model.batch_of(inputs)
+        cond = self.conditioning(batch)
+        uncond = self.unconditional(batch, negative) if scale != 1.0 else None
+        height = height or self.default_image_size
+        width = width or self.default_image_size
+        shape = (next(iter(cond.values())).shape[0], *self.latent_shape(height, width))
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
@@ -367,8 +349,8 @@ class LatentDiffusion(pl.LightningModule):
             self.alphas_cumprod,
             sampler=sampler,
             steps=steps,
-            context=context,
-            uncond_context=uncond,
+            cond=cond,
+            uncond=uncond,
             scale=scale,
             parameterization=self.parameterization,
             eta=eta,
@@ -391,8 +373,9 @@ class LatentDiffusion(pl.LightningModule):
         scale: float = 5.0,
         reconstructions: bool = False,
     ) -> dict[str, torch.Tensor]:
-        """Images for the image logger: samples for `prompts` (else the batch captions) with a
-        fixed seed, and optionally the batch and its VAE reconstructions. All (N, 3, H, W) in [-1, 1]."""
+        """Images for the image logger: samples for `prompts` (else the batch's conditioning inputs:
+        captions, labels) with a fixed seed, and optionally the batch and its VAE reconstructions.
+        All (N, 3, H, W) in [-1, 1]."""
         logs = {}
         height = width = None
         if batch is not None and "image" in batch:
@@ -403,10 +386,10 @@ class LatentDiffusion(pl.LightningModule):
                 logs["reconstructions"] = self.decode_first_stage(
                     self.encode_first_stage(images)
                 ).clamp(-1, 1)
-        prompts = list(prompts or batch["caption"])[:N]
+        inputs = prompts if prompts else batch[self.cond_stage_model.input_key]
         generator = torch.Generator(self.device).manual_seed(seed)
         logs["samples"] = self.sample(
-            prompts,
+            inputs[:N],
             height=height,
             width=width,
             sampler=sampler,

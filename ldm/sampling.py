@@ -10,31 +10,19 @@ The same trained network is seen two ways:
 Samplers are plain functions `sample_xxx(model, x, sigmas_or_timesteps, extra_args=None,
 callback=None, ...)`; `sample()` picks one, builds the step schedule, adds classifier-free
 guidance and img2img. Step schedules follow diffusers' schedulers so that results match what
-Stable Diffusion users get there (see `DEFAULT_TIMESTEP_SPACING`). Random draws use only the
+Stable Diffusion users get there (see `SamplerSpec.spacing`). Random draws use only the
 `torch.Generator` passed in, never the global RNG.
 """
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-SAMPLERS = ("ddim", "plms", "euler", "euler_a", "heun", "dpmpp_2m")
 PARAMETERIZATIONS = ("eps", "v")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
-
-# diffusers' defaults for the Stable Diffusion 1.x scheduler config (which names no
-# `timestep_spacing`, only `steps_offset: 1`): DDIMScheduler and PNDMScheduler (= PLMS) default to
-# "leading", EulerDiscrete, EulerAncestralDiscrete, HeunDiscrete and DPMSolverMultistep to "linspace".
-DEFAULT_TIMESTEP_SPACING = {
-    "ddim": "leading",
-    "plms": "leading",
-    "euler": "linspace",
-    "euler_a": "linspace",
-    "heun": "linspace",
-    "dpmpp_2m": "linspace",
-}
 
 
 def _per_sample(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -152,19 +140,23 @@ class Denoiser:
 
 
 def classifier_free_guidance(
-    model_fn: Callable[..., torch.Tensor], uncond_context: torch.Tensor, scale: float
+    model_fn: Callable[..., torch.Tensor], uncond: Mapping[str, torch.Tensor], scale: float
 ) -> Callable[..., torch.Tensor]:
     """Classifier-free guidance (Ho & Salimans 2022, arXiv:2207.12598 eq. 6) around model_fn.
 
-    Returns guided(x, t, context) = out_uncond + scale * (out_cond - out_uncond), computed in one
-    model call on a batch of 2B. A negative prompt is just its context given as `uncond_context`
-    (batch 1 or B). Guiding the raw output (eps or v) equals guiding x_0, which is affine in it.
+    Returns guided(x, t, cond) = out_uncond + scale * (out_cond - out_uncond), computed in one
+    model call on a batch of 2B. The unconditional side is built field by field: each field of
+    `uncond` (batch 1 or B: the empty caption's context, the null class, a negative prompt)
+    replaces the same field of `cond`; a field `uncond` lacks (e.g. SDXL's size vector) is the
+    same on both sides. Guiding the raw output (eps or v) equals guiding x_0, which is affine in it.
     """
 
-    def guided(x: torch.Tensor, t: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        uncond = uncond_context.expand_as(context)
-        out = model_fn(torch.cat([x, x]), torch.cat([t, t]), torch.cat([uncond, context]))
-        out_uncond, out_cond = out.chunk(2)
+    def guided(x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        both = {}
+        for field, value in cond.items():
+            other = uncond.get(field, value)
+            both[field] = torch.cat([other.expand_as(value), value])
+        out_uncond, out_cond = model_fn(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
         return out_uncond + scale * (out_cond - out_uncond)
 
     return guided
@@ -402,12 +394,36 @@ def sample_dpmpp_2m(model, x, sigmas, extra_args=None, callback=None):
     return x
 
 
-SIGMA_SAMPLERS = {
-    "euler": sample_euler,
-    "euler_a": sample_euler_ancestral,
-    "heun": sample_heun,
-    "dpmpp_2m": sample_dpmpp_2m,
+@dataclass(frozen=True)
+class SamplerSpec:
+    """How `sample()` runs a sampler.
+
+    space: "timestep" (x_t at training steps: DDIM, PLMS) or "sigma" (the Karras ODE form).
+    spacing: diffusers' default timestep spacing for Stable Diffusion's scheduler config (which
+        names none, only `steps_offset: 1`): DDIMScheduler and PNDMScheduler (= PLMS) default to
+        "leading", EulerDiscrete, EulerAncestralDiscrete, HeunDiscrete and DPMSolverMultistep to
+        "linspace".
+    options: the optional arguments of `fn` that `sample()` hands on ("eta", "generator").
+    dpm_solver: DPM-Solver's step layout (integer steps, a final step to sigma = 0, t rounded to
+        training steps for Karras sigmas; diffusers' DPMSolverMultistepScheduler).
+    """
+
+    fn: Callable
+    space: str
+    spacing: str
+    options: tuple[str, ...] = ()
+    dpm_solver: bool = False
+
+
+SAMPLER_SPECS = {
+    "ddim": SamplerSpec(sample_ddim, "timestep", "leading", ("eta", "generator")),
+    "plms": SamplerSpec(sample_plms, "timestep", "leading"),
+    "euler": SamplerSpec(sample_euler, "sigma", "linspace"),
+    "euler_a": SamplerSpec(sample_euler_ancestral, "sigma", "linspace", ("generator",)),
+    "heun": SamplerSpec(sample_heun, "sigma", "linspace"),
+    "dpmpp_2m": SamplerSpec(sample_dpmpp_2m, "sigma", "linspace", dpm_solver=True),
 }
+SAMPLERS = tuple(SAMPLER_SPECS)
 
 
 def sampler_sigmas(
@@ -432,24 +448,24 @@ def sampler_sigmas(
         spacing,
         steps_offset=steps_offset,
         num_train_timesteps=denoiser.num_timesteps,
-        integer=sampler == "dpmpp_2m",
-        final_to_zero=sampler == "dpmpp_2m",
+        integer=SAMPLER_SPECS[sampler].dpm_solver,
+        final_to_zero=SAMPLER_SPECS[sampler].dpm_solver,
     )
     sigmas = denoiser.t_to_sigma(timesteps)
     return torch.cat([sigmas, sigmas.new_zeros(1)])
 
 
-def _check_sample_args(sampler, eta, karras, scale, uncond_context, init_latent, strength, noise):
-    if sampler not in SAMPLERS:
+def _check_sample_args(sampler, eta, karras, scale, uncond, init_latent, strength, noise):
+    if sampler not in SAMPLER_SPECS:
         raise ValueError(f"sampler must be one of {SAMPLERS}, got {sampler!r}")
-    if eta != 0 and sampler != "ddim":
+    spec = SAMPLER_SPECS[sampler]
+    if eta != 0 and "eta" not in spec.options:
         raise ValueError(f"eta only applies to sampler='ddim', got eta={eta} with {sampler!r}")
-    if karras and sampler in ("ddim", "plms"):
-        raise ValueError(f"karras sigmas need a sigma-space sampler {tuple(SIGMA_SAMPLERS)}")
-    if scale != 1.0 and uncond_context is None:
-        raise ValueError(
-            "guidance scale != 1 needs uncond_context (e.g. the empty prompt's context)"
-        )
+    if karras and spec.space != "sigma":
+        sigma_samplers = tuple(n for n, s in SAMPLER_SPECS.items() if s.space == "sigma")
+        raise ValueError(f"karras sigmas need a sigma-space sampler {sigma_samplers}")
+    if scale != 1.0 and uncond is None:
+        raise ValueError("guidance scale != 1 needs uncond (e.g. the empty prompt's conditioning)")
     if not 0.0 <= strength <= 1.0:
         raise ValueError(f"strength must be in [0, 1], got {strength}")
     if init_latent is None and strength != 1.0:
@@ -460,14 +476,14 @@ def _check_sample_args(sampler, eta, karras, scale, uncond_context, init_latent,
 
 @torch.no_grad()
 def sample(
-    model_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    model_fn: Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
     noise: torch.Tensor,
     alphas_cumprod: torch.Tensor,
     *,
     sampler: str = "ddim",
     steps: int = 50,
-    context: torch.Tensor,
-    uncond_context: torch.Tensor | None = None,
+    cond: Mapping[str, torch.Tensor],
+    uncond: Mapping[str, torch.Tensor] | None = None,
     scale: float = 1.0,
     parameterization: str = "eps",
     eta: float = 0.0,
@@ -482,17 +498,17 @@ def sample(
     """Sample latents x_0 (B, C, H, W) from a DDPM-trained network.
 
     Args:
-        model_fn: network(x_t, t, context) -> raw output (eps or v) shaped like x_t; t is a (B,)
+        model_fn: network(x_t, t, cond) -> raw output (eps or v) shaped like x_t; t is a (B,)
             tensor of training steps in [0, T-1] - int64 for ddim/plms, float32 (fractional
             between training steps) for the sigma-space samplers.
         noise: (B, C, H, W) standard normal noise; the start of txt2img, the noise added to
             init_latent for img2img.
         alphas_cumprod: (T,) abar of the training schedule (the model's buffer).
-        sampler: one of "ddim", "plms", "euler", "euler_a", "heun", "dpmpp_2m".
+        sampler: one of SAMPLERS: "ddim", "plms", "euler", "euler_a", "heun", "dpmpp_2m".
         steps: number of sampling steps (plms and heun make extra model calls).
-        context: (B, L, D) conditioning, e.g. the prompt's text-encoder output.
-        uncond_context: (1 or B, L, D) context of the empty or negative prompt for classifier-free
-            guidance; used only when scale != 1.
+        cond: the conditioning fields, e.g. {"crossattn": (B, L, D)} or {"y": (B,)}.
+        uncond: the unconditional side of classifier-free guidance, field by field (batch 1 or
+            B): the empty or negative prompt's context, the null class; used when scale != 1.
         scale: classifier-free guidance scale; 1 = conditional model only.
         parameterization: "eps" or "v", what the network predicts.
         eta: DDIM noise (0 deterministic, 1 DDPM-like); ddim only.
@@ -504,26 +520,29 @@ def sample(
             int(steps * strength) steps and run only those (diffusers' rule); 0 returns
             init_latent unchanged, 1 ignores it (plain txt2img).
         callback: called with a dict {"i", "x", "denoised", and "t" or "sigma"} after each step.
-        timestep_spacing: "leading", "linspace" or "trailing"; None = the diffusers default for
-            Stable Diffusion's scheduler config (`DEFAULT_TIMESTEP_SPACING`).
+        timestep_spacing: "leading", "linspace" or "trailing"; None = the sampler's default
+            (`SamplerSpec.spacing`, diffusers' default for Stable Diffusion's scheduler config).
         steps_offset: added to "leading" timesteps; 1 in Stable Diffusion's configs.
     """
-    _check_sample_args(sampler, eta, karras, scale, uncond_context, init_latent, strength, noise)
+    _check_sample_args(sampler, eta, karras, scale, uncond, init_latent, strength, noise)
+    spec = SAMPLER_SPECS[sampler]
     guided = model_fn
-    if uncond_context is not None and scale != 1.0:
-        guided = classifier_free_guidance(model_fn, uncond_context, scale)
+    if uncond is not None and scale != 1.0:
+        guided = classifier_free_guidance(model_fn, uncond, scale)
 
     def network(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        return guided(x, t, context)
+        return guided(x, t, cond)
 
-    spacing = timestep_spacing or DEFAULT_TIMESTEP_SPACING[sampler]
+    spacing = timestep_spacing or spec.spacing
     img2img = init_latent is not None and strength < 1.0
     # img2img runs the last int(steps * strength) steps of the full schedule (diffusers' rule).
     skipped = steps - min(int(steps * strength), steps) if img2img else 0
     if skipped == steps:
         return init_latent.clone()
+    options = {"eta": eta, "generator": generator}
+    options = {name: options[name] for name in spec.options}
 
-    if sampler in ("ddim", "plms"):
+    if spec.space == "timestep":
         denoiser = Denoiser(network, alphas_cumprod, parameterization)
         timesteps = spaced_timesteps(
             steps, spacing, steps_offset=steps_offset, num_train_timesteps=len(alphas_cumprod)
@@ -532,19 +551,15 @@ def sample(
         if img2img:  # q(x_t | x_0) at the first step that is run
             abar = float(denoiser.alphas_cumprod[int(timesteps[0])])
             x = math.sqrt(abar) * init_latent + math.sqrt(1 - abar) * noise
-        if sampler == "ddim":
-            return sample_ddim(
-                denoiser, x, timesteps, callback=callback, eta=eta, generator=generator
-            )
-        return sample_plms(denoiser, x, timesteps, callback=callback)
+        return spec.fn(denoiser, x, timesteps, callback=callback, **options)
 
     # diffusers' DPMSolverMultistep rounds Karras steps to integer t (a no-op otherwise).
-    denoiser = Denoiser(network, alphas_cumprod, parameterization, quantize=sampler == "dpmpp_2m")
+    denoiser = Denoiser(network, alphas_cumprod, parameterization, quantize=spec.dpm_solver)
     sigmas = sampler_sigmas(denoiser, steps, sampler, spacing, steps_offset, karras)[skipped:]
     sigma_max = float(sigmas[0])
     if img2img:
         x = init_latent + noise * sigma_max
-    elif sampler == "dpmpp_2m" or spacing == "leading":
+    elif spec.dpm_solver or spacing == "leading":
         # Unit-variance noise in timestep space, x_T = noise, is x = noise * sqrt(sigma^2 + 1) here
         # (what DDIM and DPM-Solver start from).
         x = noise * math.sqrt(sigma_max**2 + 1)
@@ -552,7 +567,4 @@ def sample(
         # diffusers' Euler/Heun schedulers (and k-diffusion) start from noise * sigma_max for
         # "linspace"/"trailing" spacing; 0.2% less at SD's sigma_max = 14.6.
         x = noise * sigma_max
-    sampler_fn = SIGMA_SAMPLERS[sampler]
-    if sampler == "euler_a":
-        return sampler_fn(denoiser, x, sigmas, callback=callback, generator=generator)
-    return sampler_fn(denoiser, x, sigmas, callback=callback)
+    return spec.fn(denoiser, x, sigmas, callback=callback, **options)

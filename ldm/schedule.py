@@ -68,6 +68,20 @@ def make_betas(
     raise ValueError(f"unknown beta schedule {schedule!r}; expected one of {BETA_SCHEDULES}")
 
 
+def schedule_betas(
+    timesteps: int = 1000,
+    beta_schedule: str = "linear",
+    linear_start: float = 0.00085,
+    linear_end: float = 0.012,
+    cosine_s: float = 8e-3,
+    zero_terminal_snr: bool = False,
+) -> torch.Tensor:
+    """The betas of `LatentDiffusion(schedule={...})`: `make_betas`, then optionally rescaled to
+    zero terminal SNR (Lin et al. 2023) so the last step is pure noise (use with v-prediction)."""
+    betas = make_betas(beta_schedule, timesteps, linear_start, linear_end, cosine_s)
+    return rescale_zero_terminal_snr(betas) if zero_terminal_snr else betas
+
+
 def rescale_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
     """Rescale betas so that the last step has zero SNR (Lin et al. 2023, arXiv:2305.08891 Alg. 1).
 

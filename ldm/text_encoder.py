@@ -9,7 +9,8 @@ Nothing is downloaded: the weights come from the SD checkpoint (or a local folde
 tokenizer is built from the CLIP BPE merges file `bpe_simple_vocab_16e6.txt.gz`, which ships inside
 the `open_clip_torch` wheel (installed with `--no-deps`; open_clip itself is never imported).
 Checkpoint names: transformers >= 5.6 calls the v1 weights `embeddings.*`, the original
-checkpoints `text_model.embeddings.*`; `ldm.checkpoint` maps between them, not this module.
+checkpoints `text_model.embeddings.*`; `with_text_model_level` gives every version the original
+names. Both encoders are `TextEmbedder`s: captions -> `crossattn`, with caption dropout.
 """
 
 import gzip
@@ -26,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from ldm.conditioning import TextEmbedder
 
 BPE_VOCAB_FILE = "bpe_simple_vocab_16e6.txt.gz"
 START_OF_TEXT, END_OF_TEXT = "<|startoftext|>", "<|endoftext|>"
@@ -148,22 +151,29 @@ def open_clip_tokenize(tokenizer, texts: list[str], context_length: int = 77) ->
 # ---------------------------------------------------------------------------- shared freezing
 
 
-class FrozenTextEncoder(nn.Module):
-    """Base of both encoders: `freeze()` as the original (eval mode, no gradients)."""
+class TextModelLevel(nn.Module):
+    """Holds a transformers >= 5.6 `CLIPTextModel` as `text_model`, the level that older
+    transformers (and every original checkpoint) have: `transformer.text_model.embeddings.*`."""
 
-    def freeze(self) -> None:
-        self.eval()
-        for param in self.parameters():
-            param.requires_grad_(False)
+    def __init__(self, text_model: CLIPTextModel):
+        super().__init__()
+        self.text_model = text_model
+        self.config = text_model.config
 
-    def encode(self, texts: list[str]) -> torch.Tensor:
-        return self(texts)
+    def forward(self, **kwargs):
+        return self.text_model(**kwargs)
+
+
+def with_text_model_level(clip: CLIPTextModel) -> nn.Module:
+    """The CLIP text model with parameter names `text_model.*` on every transformers version,
+    so that `state_dict()` is the original layout without renaming hooks."""
+    return clip if hasattr(clip, "text_model") else TextModelLevel(clip)
 
 
 # -------------------------------------------------------------------------- v1: OpenAI CLIP
 
 
-class FrozenCLIPEmbedder(FrozenTextEncoder):
+class FrozenCLIPEmbedder(TextEmbedder):
     """SD v1 conditioning: CLIP ViT-L/14 text features, (B, max_length, 768).
 
     Args:
@@ -179,6 +189,7 @@ class FrozenCLIPEmbedder(FrozenTextEncoder):
         config: CLIPTextConfig overrides for the random-init build (tiny test models).
         tokenizer: local CLIP tokenizer folder; default: `version` if it holds one, else the
             BPE file from the open_clip_torch wheel.
+        ucg_rate: probability of training on the empty caption (classifier-free guidance).
         device: accepted from the original configs and ignored (Lightning places modules).
     """
 
@@ -193,12 +204,13 @@ class FrozenCLIPEmbedder(FrozenTextEncoder):
         layer_idx: int | None = None,
         config: dict | None = None,
         tokenizer: str | None = None,
+        ucg_rate: float = 0.0,
         device=None,
     ):
-        super().__init__()
+        super().__init__(ucg_rate=ucg_rate, trainable=not freeze)
         if layer not in self.LAYERS:
             raise ValueError(f"cond_stage_config.params.layer: '{layer}' not in {self.LAYERS}")
-        self.transformer = self._build_transformer(version, config)
+        self.transformer = with_text_model_level(self._build_transformer(version, config))
         num_layers = self.transformer.config.num_hidden_layers
         if layer == "hidden" and (layer_idx is None or abs(layer_idx) > num_layers):
             raise ValueError(
@@ -246,7 +258,8 @@ class FrozenCLIPEmbedder(FrozenTextEncoder):
         return batch["input_ids"]
 
     def forward(self, texts: list[str]) -> torch.Tensor:
-        tokens = self.tokenize(texts).to(self.transformer.device)  # (B, L)
+        device = self.transformer.text_model.embeddings.token_embedding.weight.device
+        tokens = self.tokenize(texts).to(device)  # (B, L)
         outputs = self.transformer(input_ids=tokens, output_hidden_states=self.layer == "hidden")
         if self.layer == "last":
             return outputs.last_hidden_state  # (B, L, width)
@@ -340,7 +353,7 @@ class OpenCLIPTextTransformer(nn.Module):
         return self.ln_final(x)  # (B, L, W)
 
 
-class FrozenOpenCLIPEmbedder(FrozenTextEncoder):
+class FrozenOpenCLIPEmbedder(TextEmbedder):
     """SD v2 conditioning: OpenCLIP text features, (B, max_length, width) = (B, 77, 1024) for ViT-H-14.
 
     Args:
@@ -352,6 +365,7 @@ class FrozenOpenCLIPEmbedder(FrozenTextEncoder):
         layer: "penultimate" (SD v2: skip the last block, then ln_final) or "last" (all blocks).
         width, layers, heads, embed_dim: override the arch's sizes (tiny test models).
         tokenizer: local CLIP tokenizer folder; default: the BPE file from open_clip_torch.
+        ucg_rate: probability of training on the empty caption (classifier-free guidance).
         device: accepted from the original configs and ignored (Lightning places modules).
     """
 
@@ -369,9 +383,10 @@ class FrozenOpenCLIPEmbedder(FrozenTextEncoder):
         heads: int | None = None,
         embed_dim: int | None = None,
         tokenizer: str | None = None,
+        ucg_rate: float = 0.0,
         device=None,
     ):
-        super().__init__()
+        super().__init__(ucg_rate=ucg_rate, trainable=not freeze)
         if arch not in OPENCLIP_TEXT_ARCHS:
             raise ValueError(
                 f"cond_stage_config.params.arch: '{arch}' not in {sorted(OPENCLIP_TEXT_ARCHS)}"

@@ -9,7 +9,7 @@ A model built from the original `unet_config` has exactly the original state-dic
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -129,7 +129,8 @@ class UNetModel(nn.Module):
     """Stable Diffusion v1 / v2 UNet; accepts the original `unet_config.params` unchanged.
 
     Args:
-        image_size: accepted for config compatibility, unused (the UNet is size-agnostic).
+        image_size: the latent size it was trained at (default sample size); the UNet itself
+            takes any size that is a multiple of `size_multiple`.
         in_channels: latent channels in (4 for SD).
         out_channels: channels predicted (4: eps or v).
         model_channels: base width (320 for SD).
@@ -189,6 +190,10 @@ class UNetModel(nn.Module):
         check_attention_backend(attention_backend)
         self.model_channels = model_channels
         self.num_classes = num_classes
+        # Geometry LatentDiffusion asks for: channels in, the native latent size (for default
+        # sample sizes), and the factor sides must divide by (one halving per level).
+        self.in_channels, self.image_size = in_channels, image_size
+        self.size_multiple = 2 ** (len(channel_mult) - 1)
         self.use_checkpoint = use_checkpoint
         time_embed_dim = model_channels * 4
 
@@ -279,10 +284,12 @@ class UNetModel(nn.Module):
         self,
         x: torch.Tensor,
         timesteps: torch.Tensor,
-        context: torch.Tensor | None = None,
-        y: torch.Tensor | None = None,
+        cond: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given context (B, M, D)."""
+        """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given the conditioning fields
+        `crossattn` (B, M, D) (cross-attention context) and `y` (B,) (class ids, with num_classes)."""
+        cond = cond or {}
+        context, y = cond.get("crossattn"), cond.get("y")
         if (y is not None) != (self.num_classes is not None):
             raise ValueError("pass class labels y exactly when the model has num_classes")
         # float32 sinusoids, cast to the weights' dtype so a model converted with .half() works.

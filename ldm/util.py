@@ -2,8 +2,9 @@
 
 import difflib
 import importlib
+import inspect
 import pkgutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 # The original CompVis / Stability-AI configs name their classes by the original module paths.
 # They load unchanged: each original path maps to the class that replaces it here.
@@ -20,6 +21,86 @@ ORIGINAL_TARGETS = {
 
 class TargetError(ValueError):
     """A `target:` that does not name an importable object; the message says what is near."""
+
+
+class ParamError(TargetError, TypeError):
+    """`params:` that the target's signature does not take (unknown or missing names)."""
+
+
+# --- original configs' parameters -------------------------------------------------------------
+# Keys of the original CompVis `LatentDiffusion` params that describe the original code's
+# bookkeeping. Accepted so original configs load unchanged; they have no effect here.
+LATENT_DIFFUSION_BOOKKEEPING = {
+    "num_timesteps_cond",
+    "log_every_t",
+    "first_stage_key",
+    "cond_stage_key",
+    "channels",
+    "monitor",
+    "use_ema",  # read by the launcher (it adds the EMA callback), not by the model
+    "cond_stage_forward",
+    "scale_by_std",
+    "loss_type",
+    "ignore_keys",
+    "load_only_unet",
+}
+LATENT_DIFFUSION_RENAMES = {
+    "unet_config": "backbone_config",
+    "cond_stage_config": "conditioner_config",
+    "compile_unet": "compile_backbone",
+}
+SCHEDULE_KEYS = (
+    "timesteps",
+    "beta_schedule",
+    "linear_start",
+    "linear_end",
+    "cosine_s",
+    "zero_terminal_snr",
+)
+
+
+def latent_diffusion_params(params: Mapping) -> dict:
+    """The original `LatentDiffusion` params (CompVis names, flat schedule keys, `ucg_rate` and
+    `cond_stage_trainable` beside the model) -> `ldm.diffusion.LatentDiffusion`'s. Params already
+    in our form pass through unchanged."""
+    params = dict(params)
+    if params.pop("conditioning_key", "crossattn") != "crossattn":
+        raise ParamError("LatentDiffusion: only conditioning_key: crossattn is supported")
+    for key in LATENT_DIFFUSION_BOOKKEEPING:
+        params.pop(key, None)
+    for old, new in LATENT_DIFFUSION_RENAMES.items():
+        if old in params:
+            if new in params:
+                raise ParamError(f"LatentDiffusion: give {new} or {old}, not both")
+            params[new] = params.pop(old)
+    schedule = dict(params.pop("schedule", None) or {})
+    schedule.update({k: params.pop(k) for k in SCHEDULE_KEYS if k in params})
+    if schedule:
+        params["schedule"] = schedule
+    # The original `image_size` is the latent side the model samples at: the backbone's.
+    if "image_size" in params and "backbone_config" in params:
+        image_size = params.pop("image_size")
+        params["backbone_config"] = _with_params(params["backbone_config"], image_size=image_size)
+    # Caption dropout and training of the text encoder belong to the conditioner.
+    conditioner = {}
+    if "ucg_rate" in params:
+        conditioner["ucg_rate"] = params.pop("ucg_rate")
+    if "cond_stage_trainable" in params:
+        conditioner["freeze"] = not params.pop("cond_stage_trainable")
+    if conditioner and "conditioner_config" in params:
+        params["conditioner_config"] = _with_params(params["conditioner_config"], **conditioner)
+    return params
+
+
+def _with_params(config: Mapping, **values) -> dict:
+    """A copy of a `{target, params}` config with `values` set in its params."""
+    return {**config, "params": {**(config.get("params") or {}), **values}}
+
+
+# What the original configs' parameters become, by (translated) target.
+PARAM_TRANSLATIONS: dict[str, Callable[[Mapping], dict]] = {
+    "ldm.diffusion.LatentDiffusion": latent_diffusion_params,
+}
 
 
 def _nearest_names(module_path: str, name: str) -> list[str]:
@@ -64,9 +145,24 @@ def get_obj_from_str(path: str):
 
 
 def instantiate_from_config(config: Mapping, **extra_params):
-    """Build `target(**params, **extra_params)` from a `{target, params}` mapping."""
+    """Build `target(**params, **extra_params)` from a `{target, params}` mapping.
+
+    The params are checked against the target's signature first: a name it does not take (or a
+    required one that is missing) is a `ParamError` naming it, while a TypeError raised inside
+    the constructor stays what it is, a bug to report.
+    """
     if "target" not in config:
         raise TargetError(f"expected a 'target' key in {dict(config)}")
+    target = ORIGINAL_TARGETS.get(config["target"], config["target"])
     params = dict(config.get("params") or {})
     params.update(extra_params)
-    return get_obj_from_str(config["target"])(**params)
+    if target in PARAM_TRANSLATIONS:
+        params = PARAM_TRANSLATIONS[target](params)
+    obj = get_obj_from_str(target)
+    try:
+        inspect.signature(obj).bind(**params)
+    except TypeError as err:
+        raise ParamError(f"{target}: {err}") from None
+    except ValueError:  # no signature to check (some builtins)
+        pass
+    return obj(**params)

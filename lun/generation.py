@@ -180,19 +180,17 @@ def generate(
     model = load_model(args)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
-    height = args.H or (
-        init_images.shape[-2] if init_images is not None else model.latent_size * model.downscale
+    default_height, default_width = (
+        init_images.shape[-2:]
+        if init_images is not None
+        else (model.default_image_size, model.default_image_size)
     )
-    width = args.W or (
-        init_images.shape[-1] if init_images is not None else model.latent_size * model.downscale
-    )
-    if height % 8 or width % 8:
-        raise ValueError(f"--H and --W must be multiples of 8, got {height}x{width}")
+    height, width = args.H or default_height, args.W or default_width
+    latent_shape = model.latent_shape(height, width)  # checks the sizes fit the model
     outdir = Path(args.outdir)
     sample_dir = outdir / "samples"
     sample_dir.mkdir(parents=True, exist_ok=True)
     count = len(list(sample_dir.glob("*.png")))
-    latent_shape = (model.latent_channels, height // model.downscale, width // model.downscale)
     autocast = (
         torch.autocast(device.type, dtype=DTYPES[args.dtype])
         if args.precision == "autocast"

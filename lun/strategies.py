@@ -410,15 +410,17 @@ class FSDPStrategy(LightningFSDPStrategy):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         reader = FileSystemReader(path)
+        level = checkpoint.SHARDED_MODULE_KEY + "."
         stored = {
-            key.removeprefix("model."): meta
+            key.removeprefix(level): meta
             for key, meta in reader.read_metadata().state_dict_metadata.items()
-            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+            if key.startswith(level) and isinstance(meta, TensorStorageMetadata)
         }
         wanted = _callback_entries(stored, self.lightning_module)
         entries = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in wanted.items()}
         if entries:
-            load({"model": entries}, storage_reader=reader)  # every rank reads them (collective)
+            # Every rank reads them (a collective).
+            load({checkpoint.SHARDED_MODULE_KEY: entries}, storage_reader=reader)
         return entries
 
     @contextmanager
@@ -543,13 +545,12 @@ def _merge_fsdp_shards(path: Path, unsafe: bool) -> dict:
         for meta in path.glob("*.pt"):
             checkpoint.load_file_state(meta)
     merged = _load_distributed_checkpoint(path)
-    return _as_lightning_checkpoint(dict(merged.pop("model")), merged)  # Lightning's key
+    return _as_lightning_checkpoint(dict(merged.pop(checkpoint.SHARDED_MODULE_KEY)), merged)
 
 
 def _as_lightning_checkpoint(weights: dict, client: dict) -> dict:
     """Merged weights (module names) + the client state Lightning saved beside them."""
-    # Parameter names from the engines are the module's, not its state dict's: map them.
-    checkpoint.from_original_layout(weights, "", clip_has_text_model=True)
+    checkpoint.from_original_layout(weights)
     weights.update(client.get(CALLBACK_STATE_KEY) or {})
     kept = {
         k: v

@@ -132,7 +132,7 @@ def inputs(device):
 def forward(model, x, t, context):
     if hasattr(model, "dtype") and type(model).__name__ == "UNet2DConditionModel":
         return model(x, t, encoder_hidden_states=context).sample
-    return model(x, t, context=context)
+    return model(x, t, {"crossattn": context})
 
 
 def train_step(model, optimizer, batch, dtype):

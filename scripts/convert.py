@@ -33,8 +33,7 @@ def convert_state(state: dict, ema: bool, prune: bool) -> dict:
     if ema:
         if not checkpoint.has_ema(state):
             raise KeyError("--ema: the checkpoint has no EMA weights (model_ema.*)")
-        unet_names = [k[len("model.") :] for k in state if k.startswith("model.")]
-        return checkpoint.apply_ema(state, unet_names)
+        return checkpoint.apply_ema(state, checkpoint.backbone_names(state))
     if prune:
         return {
             k: v
@@ -97,26 +96,23 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     unet = UNet2DConditionModel(**unet_config)
     unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(state, unet_config))
     vae_config = sfu.create_vae_diffusers_config_from_ldm(
-        original, state, scaling_factor=params.get("scale_factor", 0.18215)
+        original, state, scaling_factor=model.scale_factor
     )
     vae = AutoencoderKL(**vae_config)
     vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, vae_config))
     text_encoder = CLIPTextModel(encoder.transformer.config)
     clip_state = sfu.convert_ldm_clip_checkpoint(state)
-    clip_state = {k: v for k, v in clip_state.items() if not k.endswith("position_ids")}
-    if not any(k.startswith("text_model.") for k in text_encoder.state_dict()):
-        clip_state = {k.removeprefix("text_model."): v for k, v in clip_state.items()}
-    text_encoder.load_state_dict(clip_state)
+    text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
     scheduler = DDIMScheduler(
-        beta_start=params.get("linear_start", 0.00085),
-        beta_end=params.get("linear_end", 0.012),
+        beta_start=float(model.betas[0]),
+        beta_end=float(model.betas[-1]),
         beta_schedule="scaled_linear",
-        num_train_timesteps=params.get("timesteps", 1000),
+        num_train_timesteps=model.num_timesteps,
         clip_sample=False,
         set_alpha_to_one=False,
         steps_offset=1,
         timestep_spacing="leading",
-        prediction_type="v_prediction" if params.get("parameterization") == "v" else "epsilon",
+        prediction_type="v_prediction" if model.parameterization == "v" else "epsilon",
     )
     pipeline = StableDiffusionPipeline(
         vae=vae,

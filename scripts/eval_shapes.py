@@ -180,8 +180,8 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
     Returns the scores, the images (prompt-major) and one line per prompt of what was seen."""
     from lun.generation import starting_noise
 
-    size = args.size or model.latent_size * model.downscale
-    latent_shape = (model.latent_channels, size // model.downscale, size // model.downscale)
+    size = args.size or model.default_image_size
+    latent_shape = model.latent_shape(size, size)
     noise = starting_noise(list(range(args.seed, args.seed + args.n)), latent_shape, model.device)
     prompts = prompts_to_score(args.template)
     per_batch = max(1, args.batch_size // args.n)  # prompts per sampling batch

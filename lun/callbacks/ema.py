@@ -30,12 +30,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key
+from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, backbone_key, ema_key, without_wrapper_levels
 from lun.strategies import gathered_parameters, shards_weights
 
 WARMUPS = ("none", "litema", "power")
-# Levels that wrappers add to parameter names (torch.compile, FSDP units, FSDP checkpointing).
-WRAPPER_LEVELS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+DECAY_KEY, NUM_UPDATES_KEY = EMA_SCALARS
 
 
 def find_ema(trainer) -> "EMA | None":
@@ -44,7 +43,7 @@ def find_ema(trainer) -> "EMA | None":
 
 @contextmanager
 def ema_weights(trainer, pl_module) -> Iterator[None]:
-    """Run a block with the EMA weights in `pl_module.model`, and the raw weights back after.
+    """Run a block with the EMA weights in `pl_module.ema_module`, and the raw weights back after.
 
     The one swap used by the image logger and validation (`EMA(validate_with_ema=True)`):
 
@@ -67,7 +66,7 @@ def ema_weights(trainer, pl_module) -> Iterator[None]:
 
 
 class EMA(Callback):
-    """EMA of the trainable weights of `pl_module.model` (the UNet), in CPU memory.
+    """EMA of the trainable weights of `pl_module.ema_module` (the backbone), in CPU memory.
 
     Args:
         decay: the average keeps `decay` of itself per optimizer step (0.9999 as in SD: a
@@ -133,19 +132,14 @@ class EMA(Callback):
 
     @staticmethod
     def _trainable_params(pl_module) -> dict[str, torch.Tensor]:
-        """The trainable parameters of `pl_module.model` by name (possibly shards: read them
-        inside `_full_weights`).
+        """The trainable parameters of `pl_module.ema_module` by name (possibly shards: read
+        them inside `_full_weights`).
 
-        Names are those of `LatentDiffusion.model` (`diffusion_model.input_blocks.0.0.weight`);
-        levels that wrappers add (torch.compile, FSDP) are dropped.
+        Names are those of the module (`diffusion_model.input_blocks.0.0.weight` for
+        `LatentDiffusion.model`); levels that wrappers add (torch.compile, FSDP) are dropped.
         """
-        params = {}
-        for name, p in pl_module.model.named_parameters():
-            if p.requires_grad:
-                for level in WRAPPER_LEVELS:
-                    name = name.replace(level, "")
-                params[name] = p
-        return params
+        named = pl_module.ema_module.named_parameters()
+        return {without_wrapper_levels(name): p for name, p in named if p.requires_grad}
 
     @contextmanager
     def _full_weights(self, pl_module, modify: bool = False) -> Iterator[dict[str, torch.Tensor]]:
@@ -227,7 +221,7 @@ class EMA(Callback):
     def _allocate(self, pl_module) -> None:
         with self._full_weights(pl_module) as params:
             if not params:
-                raise ValueError("EMA: pl_module.model has no trainable parameters")
+                raise ValueError("EMA: pl_module.ema_module has no trainable parameters")
             device = next(iter(params.values())).device
             pin = self.pin_memory and device.type != "cpu"
             if self.shadows is None or self.shadows.keys() != params.keys():
@@ -267,13 +261,13 @@ class EMA(Callback):
             if pl_module.device.type != "cpu":
                 torch.accelerator.synchronize(pl_module.device)
             for name, raw in self._staging.items():
-                state["model." + name] = raw.clone()
+                state[backbone_key(name)] = raw.clone()
         for name, shadow in self.shadows.items():
             # Rank 0 writes a copy: an asynchronous CheckpointIO may still be writing when the next
             # update runs. Other ranks write nothing and spare the memory.
             state[ema_key(name)] = shadow.clone() if trainer.is_global_zero else shadow
-        state["model_ema.decay"] = torch.tensor(self.decay, dtype=torch.float32)
-        state["model_ema.num_updates"] = torch.tensor(self.num_updates, dtype=torch.int32)
+        state[DECAY_KEY] = torch.tensor(self.decay, dtype=torch.float32)
+        state[NUM_UPDATES_KEY] = torch.tensor(self.num_updates, dtype=torch.int32)
 
     def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         state = checkpoint.get("state_dict", {})
@@ -285,7 +279,7 @@ class EMA(Callback):
                 "EMA: the checkpoint has no model_ema.* weights; the average restarts from the model"
             )
             return
-        num_updates = int(state.get("model_ema.num_updates", torch.tensor(0)))
+        num_updates = int(state.get(NUM_UPDATES_KEY, torch.tensor(0)))
         self._loaded = {"shadows": shadows, "num_updates": max(num_updates, 0)}
 
     def state_dict(self) -> dict:
@@ -313,7 +307,7 @@ class EMA(Callback):
         return self._swapped_module is not None
 
     def swap_in(self, pl_module) -> None:
-        """Put the EMA weights into `pl_module.model`; the raw ones wait in the CPU staging
+        """Put the EMA weights into `pl_module.ema_module`; the raw ones wait in the CPU staging
         buffers, so swapping costs no accelerator memory (dtypes converted on the CPU side)."""
         if self.swapped:
             raise RuntimeError("EMA weights are already swapped in")

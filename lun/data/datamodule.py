@@ -137,6 +137,10 @@ class DataModule(L.LightningDataModule):
             if self.configs[split] is not None and split not in self.datasets:
                 self.datasets[split] = instantiate_from_config(self.configs[split])
 
+    def batch_size(self, split: str = "train") -> int:
+        """Images per batch on each device for `split` (its own setting, else the default)."""
+        return self._settings(split)["batch_size"]
+
     def _settings(self, split: str) -> dict:
         config = self.configs[split]
         unknown = set(config) - {"target", "params", *LOADER_KEYS}

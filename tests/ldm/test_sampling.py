@@ -69,7 +69,8 @@ class GaussianDataNet:
         self.parameterization, self.std, self.perturbation = parameterization, std, perturbation
         self.calls = []
 
-    def __call__(self, x, t, context):
+    def __call__(self, x, t, cond):
+        context = cond["crossattn"]
         self.calls.append((x.shape[0], t.clone()))
         abar = alphas_cumprod_at(t).to(x.dtype).view(-1, 1, 1, 1)
         a, b = abar.sqrt(), (1 - abar).sqrt()
@@ -84,7 +85,7 @@ class GaussianDataNet:
 
 def make_inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(SHAPE, generator=g), torch.randn(SHAPE[0], 3, 5, generator=g)
+    return torch.randn(SHAPE, generator=g), {"crossattn": torch.randn(SHAPE[0], 3, 5, generator=g)}
 
 
 def run_diffusers(
@@ -150,7 +151,7 @@ def test_parity_with_diffusers(sampler, parameterization, ours_kwargs, theirs_kw
         ALPHAS_CUMPROD,
         sampler=sampler,
         steps=steps,
-        context=context,
+        cond=context,
         parameterization=parameterization,
         generator=torch.Generator().manual_seed(7) if stochastic else None,
         callback=lambda info: trajectory.append(info["x"]),
@@ -181,7 +182,7 @@ def test_img2img_parity_with_diffusers(sampler):
         ALPHAS_CUMPROD,
         sampler=sampler,
         steps=10,
-        context=context,
+        cond=context,
         init_latent=init,
         strength=0.65,
     )
@@ -254,7 +255,7 @@ def test_exact_oracle_gives_the_data_point(sampler, parameterization):
         ALPHAS_CUMPROD,
         sampler=sampler,
         steps=8,
-        context=context,
+        cond=context,
         parameterization=parameterization,
         generator=torch.Generator().manual_seed(0),
     )
@@ -274,12 +275,12 @@ def test_zero_terminal_snr_schedule():
     alphas_cumprod = schedule_buffers(rescale_zero_terminal_snr(make_betas()))["alphas_cumprod"]
     target, (noise, context) = torch.randn(SHAPE), make_inputs()
 
-    def v_oracle(x, t, context):  # single data point `target`, integer t
+    def v_oracle(x, t, cond):  # single data point `target`, integer t
         abar = alphas_cumprod[t].view(-1, 1, 1, 1)
         eps = (x - abar.sqrt() * target) / (1 - abar).sqrt()
         return abar.sqrt() * eps - (1 - abar).sqrt() * target
 
-    kwargs = dict(steps=5, context=context, timestep_spacing="trailing")
+    kwargs = dict(steps=5, cond=context, timestep_spacing="trailing")
     out = sample(v_oracle, noise, alphas_cumprod, sampler="ddim", parameterization="v", **kwargs)
     abar_0 = alphas_cumprod[0]
     # From x_T = noise at abar_T = 0 the first eps prediction is exactly the noise.
@@ -297,7 +298,7 @@ def test_zero_terminal_snr_schedule():
 def test_v_and_eps_parameterizations_agree(sampler):
     eps_model, (noise, context) = GaussianDataNet("eps"), make_inputs()
     v_model = GaussianDataNet("v")
-    kwargs = dict(sampler=sampler, steps=6, context=context, generator=None)
+    kwargs = dict(sampler=sampler, steps=6, cond=context, generator=None)
     outs = []
     for model, parameterization in ((eps_model, "eps"), (v_model, "v")):
         if sampler == "euler_a":
@@ -320,7 +321,7 @@ def test_randomness_comes_from_the_generator_only(sampler, extra):
             ALPHAS_CUMPROD,
             sampler=sampler,
             steps=5,
-            context=context,
+            cond=context,
             generator=generator,
             **extra,
         )
@@ -331,14 +332,16 @@ def test_randomness_comes_from_the_generator_only(sampler, extra):
     assert torch.equal(first, again)
     assert (first - other).abs().max() > 1e-2
     with pytest.raises(ValueError, match="generator"):
-        sample(model, noise, ALPHAS_CUMPROD, sampler=sampler, steps=5, context=context, **extra)
+        sample(model, noise, ALPHAS_CUMPROD, sampler=sampler, steps=5, cond=context, **extra)
 
 
 def test_classifier_free_guidance_wrapper():
     model, (noise, context) = GaussianDataNet(), make_inputs()
-    uncond = torch.zeros(1, *context.shape[1:])  # batch 1 broadcasts, like an empty prompt
+    # batch 1 broadcasts, like an empty prompt
+    uncond = {"crossattn": torch.zeros(1, *context["crossattn"].shape[1:])}
     t = torch.tensor([500, 20])
-    cond_out, uncond_out = model(noise, t, context), model(noise, t, uncond.expand_as(context))
+    cond_out = model(noise, t, context)
+    uncond_out = model(noise, t, {"crossattn": uncond["crossattn"].expand_as(context["crossattn"])})
     model.calls.clear()
     torch.testing.assert_close(
         classifier_free_guidance(model, uncond, 1.0)(noise, t, context), cond_out
@@ -350,16 +353,14 @@ def test_classifier_free_guidance_wrapper():
 
 def test_guidance_in_sample():
     model, (noise, context) = GaussianDataNet(), make_inputs()
-    empty, negative = torch.zeros(1, 3, 5), torch.full((2, 3, 5), 0.7)
-    kwargs = dict(sampler="euler", steps=6, context=context)
+    empty, negative = {"crossattn": torch.zeros(1, 3, 5)}, {"crossattn": torch.full((2, 3, 5), 0.7)}
+    kwargs = dict(sampler="euler", steps=6, cond=context)
     conditional = sample(model, noise, ALPHAS_CUMPROD, **kwargs)
     assert torch.equal(
-        sample(model, noise, ALPHAS_CUMPROD, uncond_context=empty, scale=1.0, **kwargs), conditional
+        sample(model, noise, ALPHAS_CUMPROD, uncond=empty, scale=1.0, **kwargs), conditional
     )
-    guided = sample(model, noise, ALPHAS_CUMPROD, uncond_context=empty, scale=5.0, **kwargs)
-    with_negative = sample(
-        model, noise, ALPHAS_CUMPROD, uncond_context=negative, scale=5.0, **kwargs
-    )
+    guided = sample(model, noise, ALPHAS_CUMPROD, uncond=empty, scale=5.0, **kwargs)
+    with_negative = sample(model, noise, ALPHAS_CUMPROD, uncond=negative, scale=5.0, **kwargs)
     assert (guided - conditional).abs().max() > 1e-2
     assert (with_negative - guided).abs().max() > 1e-2
 
@@ -368,7 +369,7 @@ def test_guidance_in_sample():
 def test_img2img_strength_bounds(sampler):
     model, (noise, context) = GaussianDataNet(), make_inputs()
     init = make_inputs(seed=1)[0]
-    kwargs = dict(sampler=sampler, steps=10, context=context)
+    kwargs = dict(sampler=sampler, steps=10, cond=context)
     unchanged = sample(model, noise, ALPHAS_CUMPROD, init_latent=init, strength=0.0, **kwargs)
     assert torch.equal(unchanged, init) and not model.calls
     ignored = sample(model, noise, ALPHAS_CUMPROD, init_latent=init, strength=1.0, **kwargs)
@@ -387,7 +388,7 @@ def test_callback_and_bad_arguments():
     model, (noise, context) = GaussianDataNet(), make_inputs()
     seen = []
     sample(
-        model, noise, ALPHAS_CUMPROD, sampler="heun", steps=4, context=context, callback=seen.append
+        model, noise, ALPHAS_CUMPROD, sampler="heun", steps=4, cond=context, callback=seen.append
     )
     assert [info["i"] for info in seen] == [0, 1, 2, 3] and seen[-1]["sigma"] > 0
     assert len(model.calls) == 7  # Heun: 2 calls per step, the last step is Euler
@@ -395,11 +396,11 @@ def test_callback_and_bad_arguments():
         (dict(sampler="lms"), "sampler must be one of"),
         (dict(sampler="euler", eta=0.5), "eta only applies"),
         (dict(sampler="plms", karras=True), "karras"),
-        (dict(scale=7.5), "uncond_context"),
+        (dict(scale=7.5), "needs uncond"),
         (dict(strength=0.5), "init_latent"),
         (dict(timestep_spacing="uniform"), "timestep spacing"),
         (dict(parameterization="x0"), "parameterization"),
     ]
     for kwargs, message in bad:
         with pytest.raises(ValueError, match=message):
-            sample(model, noise, ALPHAS_CUMPROD, context=context, **kwargs)
+            sample(model, noise, ALPHAS_CUMPROD, cond=context, **kwargs)

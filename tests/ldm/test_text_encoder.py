@@ -76,17 +76,14 @@ def test_clip_vit_l14_state_dict_matches_original_checkpoint_up_to_library_namin
     ours = {k: list(v.shape) for k, v in encoder.state_dict().items()}
     reference = reference_keys("sd_v1_keys.json")
     assert len(reference) == 197 and len(ours) == 196
-    # The only differences, mapped by ldm.checkpoint: transformers >= 5.6 drops the
-    # `text_model.` level, and `position_ids` is a non-persistent buffer (absent since 4.31).
-    renamed = {
-        k.replace("transformer.text_model.", "transformer.", 1): shape
-        for k, shape in reference.items()
-        if not k.endswith("embeddings.position_ids")
-    }
-    assert ours == renamed
+    # The only difference: `position_ids` is a non-persistent buffer (absent since 4.31), which
+    # ldm.checkpoint drops on load. The `text_model.` level, which transformers >= 5.6 lacks,
+    # is kept by `with_text_model_level`: our own names are the original ones.
+    expected = {k: s for k, s in reference.items() if not k.endswith("embeddings.position_ids")}
+    assert ours == expected
     buffers = dict(encoder.named_buffers())
-    assert list(buffers) == ["transformer.embeddings.position_ids"]
-    assert "transformer.embeddings.position_ids" not in ours
+    assert list(buffers) == ["transformer.text_model.embeddings.position_ids"]
+    assert "transformer.text_model.embeddings.position_ids" not in ours
     assert sum(p.numel() for p in encoder.parameters()) == 123_060_480
 
 
@@ -186,11 +183,18 @@ def test_missing_bpe_file_says_what_to_install(monkeypatch):
 # ---------------------------------------------------------------------- v1: CLIP via transformers
 
 
+def transformers_model(encoder: FrozenCLIPEmbedder) -> CLIPTextModel:
+    """The installed transformers' CLIPTextModel inside the encoder (under the `text_model.`
+    level we add for transformers >= 5.6)."""
+    clip = encoder.transformer
+    return clip if isinstance(clip, CLIPTextModel) else clip.text_model
+
+
 def test_clip_embedder_matches_plain_transformers_model():
     torch.manual_seed(0)
     encoder = FrozenCLIPEmbedder(config=TINY_CLIP)
     reference = CLIPTextModel(CLIPTextConfig(**{**CLIP_VIT_L14_TEXT_CONFIG, **TINY_CLIP})).eval()
-    reference.load_state_dict(encoder.transformer.state_dict(), strict=True)
+    reference.load_state_dict(transformers_model(encoder).state_dict(), strict=True)
     prompts = PROMPTS[:2]
     tokens = encoder.tokenize(prompts)
     with torch.no_grad():
@@ -200,7 +204,7 @@ def test_clip_embedder_matches_plain_transformers_model():
     torch.testing.assert_close(context, expected.last_hidden_state)
 
     encoder.layer, encoder.layer_idx = "hidden", -2  # "CLIP skip 2": no final LayerNorm
-    torch.testing.assert_close(encoder.encode(prompts), expected.hidden_states[-2])
+    torch.testing.assert_close(encoder(prompts), expected.hidden_states[-2])
     encoder.layer = "pooled"
     pooled = encoder(prompts)
     assert pooled.shape == (2, 1, 32)
@@ -215,7 +219,7 @@ def test_clip_embedder_loads_a_local_folder(tmp_path, tokenizer):
     tokenizer.save_pretrained(tmp_path)
     encoder = FrozenCLIPEmbedder(version=str(tmp_path))
     for name, value in saved.state_dict().items():
-        assert torch.equal(encoder.transformer.state_dict()[name], value), name
+        assert torch.equal(transformers_model(encoder).state_dict()[name], value), name
     assert encoder.tokenize(["a photo of a cat"])[0, :7].tolist() == [
         SOT,
         320,

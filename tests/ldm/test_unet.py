@@ -67,7 +67,7 @@ def inputs(batch=2, height=8, width=12, context_len=7, context_dim=32, seed=1):
     x = torch.randn(batch, 4, height, width, generator=generator)
     timesteps = torch.tensor([3.0, 917.0])[:batch]
     context = torch.randn(batch, context_len, context_dim, generator=generator)
-    return x, timesteps, context
+    return x, timesteps, {"crossattn": context}
 
 
 @pytest.mark.parametrize(
@@ -114,11 +114,12 @@ def test_matches_diffusers_unet(params, num_classes):
     theirs = UNet2DConditionModel(**config).eval()
     theirs.load_state_dict(convert_ldm_unet_checkpoint(checkpoint, config), strict=True)
 
-    x, timesteps, context = inputs()
+    x, timesteps, cond = inputs()
     labels = torch.tensor([0, 3]) if num_classes else None
     with torch.no_grad():
-        expected = theirs(x, timesteps, context, class_labels=labels).sample
-        actual = ours(x, timesteps, context, y=labels)
+        expected = theirs(x, timesteps, cond["crossattn"], class_labels=labels).sample
+        cond = {**cond, **({"y": labels} if num_classes else {})}
+        actual = ours(x, timesteps, cond)
     assert actual.shape == x.shape
     assert expected.abs().mean() > 0.01  # a real signal, not the zero-init output conv
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-4)
@@ -237,14 +238,14 @@ def test_invalid_configurations_fail_clearly():
     unet = UNetModel(**TINY_V1)
     x, timesteps, context = inputs()
     with pytest.raises(ValueError, match="num_classes"):
-        unet(x, timesteps, context, y=torch.tensor([0, 1]))
+        unet(x, timesteps, {**context, "y": torch.tensor([0, 1])})
 
 
 def test_half_precision_model_runs_without_autocast():
     unet = randomize_(UNetModel(**TINY_V1)).eval().to(torch.bfloat16)
     x, timesteps, context = inputs()
     with torch.no_grad():
-        out = unet(x.bfloat16(), timesteps, context.bfloat16())
+        out = unet(x.bfloat16(), timesteps, {"crossattn": context["crossattn"].bfloat16()})
     assert out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     assert (

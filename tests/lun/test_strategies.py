@@ -168,7 +168,7 @@ def test_vae_stays_float32_under_mixed_precision_when_asked(fp32):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         latents = model.encode_first_stage(images, torch.Generator().manual_seed(0))
         eps = model.apply_model(
-            latents, torch.tensor([10, 500]), model.get_learned_conditioning(["a", "b"])
+            latents, torch.tensor([10, 500]), model.conditioning({"caption": ["a", "b"]})
         )
     expected = torch.float32 if fp32 else torch.bfloat16
     assert seen == [expected] and latents.dtype == expected

@@ -30,6 +30,16 @@ class TinyDiffusion(pl.LightningModule):
         self.first_stage_model = nn.Conv2d(3, 3, 1).requires_grad_(False)  # a frozen "VAE"
         self.learning_rate = learning_rate
 
+    # The contract with lun (lun.contract.TrainableModule).
+    default_image_size = 8
+
+    @property
+    def ema_module(self) -> nn.Module:
+        return self.model
+
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int]:
+        return 3, height, width
+
     def diffusion_loss(self, images: torch.Tensor, generator=None) -> torch.Tensor:
         noise = torch.randn(images.shape, generator=generator)
         s = torch.rand(images.shape[0], 1, 1, 1, generator=generator)

@@ -1,0 +1,151 @@
+"""Conditioning: a batch -> a dict of named tensors for the backbone, and its unconditional side.
+
+The fields every backbone reads (`forward(x, t, cond)`):
+    crossattn: (B, T, D) text context for cross-attention (Rombach et al. 2022);
+    vector:    (B, D) pooled text and size/crop embeddings (SDXL's `adm` input, Podell et al. 2023);
+    y:         (B,) int64 class ids; the id `num_classes` is the null class (DiT, Peebles & Xie 2023).
+
+The conditioner is the one owner of dropout for classifier-free guidance (Ho & Salimans 2022,
+arXiv:2207.12598): while training, each input is replaced by its unconditional value with
+probability `ucg_rate` - the empty caption for text, the null class for labels. Sampling asks the
+same conditioner for the other half of the guidance (`unconditional`), so training and guidance
+agree on what "unconditional" means.
+
+An `Embedder` turns one batch key into one field. A single embedder is a whole conditioner: SD 1.x
+and 2.x use their text encoder directly (`cond_stage_model.*` in checkpoints), which keeps the
+original layout with no renaming.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+FIELDS = ("crossattn", "vector", "y")
+
+
+@runtime_checkable
+class Conditioner(Protocol):
+    """What `LatentDiffusion` uses of its conditioner."""
+
+    trainable: bool
+
+    def condition(
+        self, batch: Mapping, generator: torch.Generator | None = None, drop: bool = False
+    ) -> dict[str, torch.Tensor]: ...
+
+    def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]: ...
+
+    def batch_of(self, inputs) -> dict: ...
+
+
+class Embedder(nn.Module):
+    """One conditioning input: `batch[input_key]` -> the field `field` of the conditioning dict.
+
+    Subclasses set `input_key` and `field` and implement `forward(inputs)` and `null_inputs(n)`.
+
+    Args:
+        ucg_rate: probability of training on the unconditional input instead of the real one
+            (classifier-free guidance); 0.1 is common.
+        trainable: train this embedder with the backbone (otherwise frozen: no gradients, eval
+            mode, no optimizer state).
+    """
+
+    input_key: str = ""
+    field: str = ""
+
+    def __init__(self, ucg_rate: float = 0.0, trainable: bool = False):
+        super().__init__()
+        if not 0.0 <= ucg_rate <= 1.0:
+            raise ValueError(f"ucg_rate must be in [0, 1], got {ucg_rate}")
+        self.ucg_rate, self.trainable = float(ucg_rate), trainable
+
+    def null_inputs(self, n: int):
+        """The unconditional value of `n` inputs."""
+        raise NotImplementedError
+
+    def freeze(self) -> None:
+        """No gradients and eval mode (the original encoders' `freeze`)."""
+        self.trainable = False
+        self.requires_grad_(False)
+        self.eval()
+
+    def train(self, mode: bool = True):
+        # A frozen embedder stays in eval mode (no dropout) while the model around it trains.
+        return super().train(mode and self.trainable)
+
+    def batch_of(self, inputs) -> dict:
+        """Inputs given alone (prompts, labels) as the batch this conditioner reads."""
+        return dict(inputs) if isinstance(inputs, Mapping) else {self.input_key: inputs}
+
+    def condition(
+        self, batch: Mapping, generator: torch.Generator | None = None, drop: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """`{field: embedding}` of `batch[input_key]`; with `drop`, each input is replaced by its
+        unconditional value with probability `ucg_rate` (draws from `generator`, else the global
+        CPU generator)."""
+        inputs = batch[self.input_key]
+        if drop and self.ucg_rate > 0:
+            device = generator.device if generator is not None else "cpu"
+            dropped = torch.rand(len(inputs), generator=generator, device=device) < self.ucg_rate
+            inputs = _replace(inputs, self.null_inputs(len(inputs)), dropped)
+        return {self.field: self._embed(inputs)}
+
+    def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]:
+        """The guidance's unconditional side for `batch`: the null inputs, or `negative` (e.g.
+        negative prompts, one per sample)."""
+        n = len(batch[self.input_key])
+        return {self.field: self._embed(self.null_inputs(n) if negative is None else negative)}
+
+    def _embed(self, inputs) -> torch.Tensor:
+        with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
+            return self(inputs)
+
+
+def _replace(inputs, nulls, dropped: torch.Tensor):
+    """`inputs` with the entries where `dropped` is True replaced by `nulls`."""
+    if isinstance(inputs, torch.Tensor):
+        return torch.where(dropped.to(inputs.device), nulls.to(inputs.device), inputs)
+    return [n if d else x for x, n, d in zip(inputs, nulls, dropped.tolist())]
+
+
+class TextEmbedder(Embedder):
+    """Base of the text encoders: captions (`batch["caption"]`) -> `crossattn`; the unconditional
+    caption is the empty one, as in Stable Diffusion's training and sampling."""
+
+    input_key, field = "caption", "crossattn"
+
+    def null_inputs(self, n: int) -> list[str]:
+        return [""] * n
+
+
+class ClassLabels(Embedder):
+    """Class ids (`batch["label"]`) -> `y`, for backbones that embed them (DiT's `y_embedder`,
+    a UNet's `label_emb`). The null class `num_classes` is the unconditional label: the backbone's
+    table has `num_classes + 1` rows for it (DiT's `LabelEmbedder` with dropout > 0).
+
+    Args:
+        num_classes: number of real classes; labels must be in [0, num_classes).
+        ucg_rate: probability of training on the null class (DiT: 0.1).
+    """
+
+    input_key, field = "label", "y"
+
+    def __init__(self, num_classes: int, ucg_rate: float = 0.0):
+        super().__init__(ucg_rate=ucg_rate, trainable=False)
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        self.num_classes = num_classes
+
+    def null_inputs(self, n: int) -> torch.Tensor:
+        return torch.full((n,), self.num_classes, dtype=torch.long)
+
+    def forward(self, labels: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        labels = torch.as_tensor(labels, dtype=torch.long)
+        if labels.numel() and (labels.min() < 0 or labels.max() > self.num_classes):
+            raise ValueError(
+                f"class labels must be in [0, {self.num_classes}] ({self.num_classes} = the null "
+                f"class), got {labels.min().item()}..{labels.max().item()}"
+            )
+        return labels  # (B,)
