@@ -103,6 +103,13 @@ def state_dict_of(contents: Mapping) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def conditioner_name(conditioner: torch.nn.Module) -> str:
+    """The conditioner's submodule name in `LatentDiffusion`, which its checkpoint keys start
+    with: `cond_stage_model` (CompVis: SD 1.x/2.x, one text encoder), unless the conditioner
+    names another (`checkpoint_name = "conditioner"` for sgm's `conditioner.embedders.N.*`)."""
+    return getattr(conditioner, "checkpoint_name", "cond_stage_model")
+
+
 def from_original_layout(state: dict, prefix: str = "") -> None:
     """In place: accept both text-encoder forms, drop `position_ids` (a constant, not a weight)."""
     head = prefix + CLIP_PREFIX

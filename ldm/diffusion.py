@@ -108,7 +108,11 @@ class LatentDiffusion(pl.LightningModule):
         # Submodule names are the original checkpoints' (see ldm.checkpoint).
         self.model = DiffusionWrapper(instantiate_from_config(backbone_config))
         self.first_stage_model = instantiate_from_config(first_stage_config)
-        self.cond_stage_model = instantiate_from_config(conditioner_config)
+        conditioner = instantiate_from_config(conditioner_config)
+        # The conditioner's checkpoint name is its own (see ldm.checkpoint.conditioner_name).
+        self._conditioner_name = checkpoint.conditioner_name(conditioner)
+        # (Set directly: add_module refuses "conditioner", the name of the property below.)
+        self._modules[self._conditioner_name] = conditioner
         self.first_stage_model.requires_grad_(False)
         self._check_geometry()
         self.register_load_state_dict_pre_hook(checkpoint.load_state_dict_pre_hook)
@@ -149,8 +153,8 @@ class LatentDiffusion(pl.LightningModule):
 
     @property
     def conditioner(self) -> nn.Module:
-        """The conditioner (`cond_stage_model` in checkpoints)."""
-        return self.cond_stage_model
+        """The conditioner, under its checkpoint name (`cond_stage_model` for SD 1.x/2.x)."""
+        return self._modules[self._conditioner_name]
 
     # --- the contract with lun (lun.contract.DiffusionModule) ---------------------------------
     @property
@@ -206,12 +210,12 @@ class LatentDiffusion(pl.LightningModule):
         self, batch: Mapping, generator: torch.Generator | None = None, drop: bool = False
     ) -> dict[str, torch.Tensor]:
         """The conditioner's named tensors for `batch` (with CFG dropout when `drop`)."""
-        cond = self.cond_stage_model.condition(batch, generator, drop)
+        cond = self.conditioner.condition(batch, generator, drop)
         return {field: value.to(self.device) for field, value in cond.items()}
 
     def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]:
         """The guidance's unconditional side for `batch` (null inputs, or `negative`)."""
-        cond = self.cond_stage_model.unconditional(batch, negative)
+        cond = self.conditioner.unconditional(batch, negative)
         return {field: value.to(self.device) for field, value in cond.items()}
 
     def apply_model(
@@ -305,7 +309,7 @@ class LatentDiffusion(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        params += [p for p in self.cond_stage_model.parameters() if p.requires_grad]
+        params += [p for p in self.conditioner.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, self.learning_rate, self.optimizer_config)
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
@@ -334,7 +338,7 @@ class LatentDiffusion(pl.LightningModule):
         inputs: what the conditioner reads - prompts (list of str), class ids, or a batch dict;
         negative: the unconditional side's inputs instead of the null ones (negative prompts).
         """
-        batch = self.cond_stage_model.batch_of(inputs)
+        batch = self.conditioner.batch_of(inputs)
         cond = self.conditioning(batch)
         uncond = self.unconditional(batch, negative) if scale != 1.0 else None
         height = height or self.default_image_size
@@ -386,7 +390,7 @@ class LatentDiffusion(pl.LightningModule):
                 logs["reconstructions"] = self.decode_first_stage(
                     self.encode_first_stage(images)
                 ).clamp(-1, 1)
-        inputs = prompts if prompts else batch[self.cond_stage_model.input_key]
+        inputs = prompts if prompts else batch[self.conditioner.input_key]
         generator = torch.Generator(self.device).manual_seed(seed)
         logs["samples"] = self.sample(
             inputs[:N],

@@ -88,7 +88,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
 
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
-    encoder = model.cond_stage_model
+    encoder = model.conditioner
     if not hasattr(encoder, "transformer"):
         raise ValueError("--to-diffusers supports the v1 CLIP text encoder (FrozenCLIPEmbedder)")
 

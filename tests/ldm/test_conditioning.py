@@ -221,3 +221,24 @@ def test_a_class_conditional_backbone_trains_and_samples_with_guidance():
     red, blue = mean[0::2], mean[1::2]
     assert (red[:, 0] > red[:, 2] + 0.5).all(), red
     assert (blue[:, 2] > blue[:, 0] + 0.5).all(), blue
+
+
+class NamedConditioner(ClassLabels):
+    """A conditioner with weights that names its checkpoint level, as sgm's (SDXL's) does."""
+
+    checkpoint_name = "conditioner"
+
+    def __init__(self, num_classes: int):
+        super().__init__(num_classes)
+        self.scale = nn.Parameter(torch.ones(1))
+
+
+def test_the_conditioner_keeps_the_checkpoint_name_it_asks_for():
+    model = LatentDiffusion(
+        backbone_config={"target": f"{__name__}.ToyClassBackbone"},
+        first_stage_config={"target": "ldm.autoencoder.IdentityFirstStage"},
+        conditioner_config={"target": f"{__name__}.NamedConditioner", "params": {"num_classes": 2}},
+    )
+    assert "conditioner.scale" in model.state_dict()
+    assert not any(k.startswith("cond_stage_model.") for k in model.state_dict())
+    assert isinstance(model.conditioner, NamedConditioner)
