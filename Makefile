@@ -26,6 +26,7 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt
 
 test: setup
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q
 
 test-fast: setup

@@ -95,8 +95,5 @@ def default_callback_configs(
             "params": {"dirpath": checkpoints, "monitor": monitor, "mode": "min", "save_top_k": 1},
         }
     if use_ema:
-        configs["ema"] = {
-            "target": ROLE_TARGETS["ema"],
-            "params": {"decay": 0.9999, "update_every": 1},
-        }
+        configs["ema"] = {"target": ROLE_TARGETS["ema"]}  # its defaults are the EMA class's
     return configs
