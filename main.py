@@ -119,8 +119,10 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         use_ema = bool(model_params.get("use_ema", False))
         trainer = build_trainer(lightning_cfg, run_dir, "validation" in data_params, use_ema)
         # The learning rate is a constructor value (lun.contract): written before building.
-        if "base_learning_rate" in config["model"]:
-            base_lr = config["model"]["base_learning_rate"]
+        base_lr = config["model"].get("base_learning_rate")
+        if base_lr is not None:
+            if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr <= 0:
+                raise ConfigError(f"model.base_learning_rate: {base_lr!r} is not a positive number")
             lr = scaled_learning_rate(base_lr, data, trainer) if opt.scale_lr else base_lr
             model_params["learning_rate"] = lr
         elif opt.scale_lr:

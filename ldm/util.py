@@ -159,10 +159,25 @@ def instantiate_from_config(config: Mapping, **extra_params):
     if target in PARAM_TRANSLATIONS:
         params = PARAM_TRANSLATIONS[target](params)
     obj = get_obj_from_str(target)
+    _check_params(target, obj, params)
+    return obj(**params)
+
+
+def _check_params(target: str, obj, params: dict) -> None:
+    """Raise ParamError for a name the target does not take (with the nearest one) or a
+    required one that is missing."""
     try:
-        inspect.signature(obj).bind(**params)
+        signature = inspect.signature(obj)
+    except ValueError:  # no signature to check (some builtins)
+        return
+    accepted = signature.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+        for name in params:
+            if name not in accepted:
+                near = difflib.get_close_matches(name, list(accepted), n=1)
+                hint = f"; did you mean '{near[0]}'?" if near else ""
+                raise ParamError(f"{target}: unknown parameter '{name}'{hint}")
+    try:
+        signature.bind(**params)
     except TypeError as err:
         raise ParamError(f"{target}: {err}") from None
-    except ValueError:  # no signature to check (some builtins)
-        pass
-    return obj(**params)

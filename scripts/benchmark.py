@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from ldm import checkpoint
 from ldm.optim import build_optimizer
 from ldm.util import instantiate_from_config
 
@@ -110,7 +111,9 @@ def build_unets(device, gradient_checkpointing=False):
 
     torch.manual_seed(0)
     ours = instantiate_from_config({"target": "ldm.unet.UNetModel", "params": UNET_PARAMS})
-    state = {"model.diffusion_model." + k: v for k, v in ours.state_dict().items()}
+    state = {
+        checkpoint.backbone_key("diffusion_model." + k): v for k, v in ours.state_dict().items()
+    }
     config = create_unet_diffusers_config_from_ldm(original_config(UNET_PARAMS), state)
     theirs = UNet2DConditionModel(**config)
     theirs.load_state_dict(convert_ldm_unet_checkpoint(state, config))
