@@ -156,7 +156,7 @@ class LatentDiffusion(pl.LightningModule):
         """The conditioner, under its checkpoint name (`cond_stage_model` for SD 1.x/2.x)."""
         return self._modules[self._conditioner_name]
 
-    # --- the contract with lun (lun.contract.DiffusionModule) ---------------------------------
+    # --- the contract with lun (lun.contract.TrainableModule) ---------------------------------
     @property
     def ema_module(self) -> nn.Module:
         """The module whose trainable weights an EMA averages (checkpoint names `model.*`)."""
