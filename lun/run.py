@@ -1,13 +1,24 @@
-"""The run folder: where a run writes, how a resumed run finds its checkpoint and configs."""
+"""The run folder: where a run writes, how a resumed run finds its checkpoint and configs; and
+the SIGUSR1 a run may get before its trainer exists.
 
+Light on purpose (no torch, no Lightning): the launcher imports it first thing.
+"""
+
+import logging
 import os
+import pickle
+import signal
+import threading
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
 from lun.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -29,8 +40,13 @@ class RunDir:
         return self.root / "images"
 
     def create(self) -> None:
+        """Make the folders; on a resume, delete what killed checkpoint writers left behind."""
+        from lun.atomic_io import remove_stale_temporaries  # imports torch: not at start-up
+
         for folder in (self.checkpoints, self.configs, self.images):
             folder.mkdir(parents=True, exist_ok=True)
+        for stale in remove_stale_temporaries(self.checkpoints):
+            log.info(f"removed {stale}, left by a checkpoint write that was killed")
 
     def save_configs(self, cfg: DictConfig) -> None:
         """Write the merged config as `<ts>-project.yaml` (model, data) and `<ts>-lightning.yaml`."""
@@ -48,20 +64,112 @@ def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:
 
 
 def resume_target(resume: str) -> tuple[RunDir, Path]:
-    """`--resume` takes a run folder (its checkpoints/last.ckpt) or a .ckpt inside one: a file, or
-    the folder DeepSpeed and sharded FSDP write."""
+    """`--resume` takes a run folder or a checkpoint inside one (a file, or the folder DeepSpeed
+    and sharded FSDP write). From a run folder it takes the newest complete checkpoint in
+    `checkpoints/` (highest step; the newest file on a tie), which is `on_exception.ckpt` after a
+    crash or Ctrl-C later than the last periodic save, and still found if `last.ckpt` is not."""
     path = Path(resume)
     if not path.exists():
         raise ConfigError(f"--resume: '{resume}' does not exist")
     if path.is_file() or path.suffix == ".ckpt":
         ckpt = path
         root = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+        step = checkpoint_step(ckpt)
+        found = f"step {step}" if step is not None else "step unknown"
     else:
         root = path
-        ckpt = path / "checkpoints" / "last.ckpt"
-        if not ckpt.exists():
-            raise ConfigError(f"--resume: no checkpoints/last.ckpt in run folder '{resume}'")
+        ckpt, step = newest_checkpoint(path / "checkpoints")
+        found = f"step {step}, the newest complete checkpoint of the run"
+    if is_rank_zero():
+        log.info(f"resuming from {ckpt} ({found})")
     return RunDir(root), ckpt
+
+
+def newest_checkpoint(folder: Path) -> tuple[Path, int]:
+    """(path, step) of the complete checkpoint in `folder` with the highest global step, the
+    newest file on a tie. Links (`last.ckpt`) are skipped: they name another file there.
+    Incomplete files and weights-only ones (nothing to resume) are skipped with a note."""
+    complete = []
+    for candidate in sorted(folder.glob("*.ckpt")) if folder.is_dir() else []:
+        if candidate.name.startswith(".") or candidate.is_symlink():
+            continue
+        step = checkpoint_step(candidate, need_training_state=True)
+        if step is None:
+            if is_rank_zero():
+                log.warning(f"--resume: skipped {candidate}: not a complete training checkpoint")
+            continue
+        complete.append((step, candidate.stat().st_mtime, candidate.name, candidate))
+    if not complete:
+        raise ConfigError(f"--resume: no complete checkpoint in '{folder}'")
+    step, _, _, newest = max(complete)
+    return newest, step
+
+
+class _Inert:
+    """Stands in for every class a checkpoint's pickle names: nothing is imported or run."""
+
+    def __new__(cls, *args, **kwargs):
+        return super().__new__(cls)
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+    def __setitem__(self, key, value):
+        pass
+
+    def append(self, value):
+        pass
+
+    def extend(self, values):
+        pass
+
+
+class _StepReader(pickle.Unpickler):
+    """Reads the plain values of a torch checkpoint's `data.pkl`, never its tensors (they stay on
+    disk: persistent ids) nor any class (each becomes `_Inert`): cheap and safe on any file."""
+
+    def find_class(self, module, name):
+        return _Inert
+
+    def persistent_load(self, pid):
+        return None
+
+
+def _step_file(folder: Path) -> Path | None:
+    """The file of a checkpoint folder that holds its global step: DeepSpeed's rank-0
+    `*model_states.pt` (under the tag `latest` names), Lightning's sharded FSDP `meta.pt`."""
+    latest = folder / "latest"
+    tag = latest.read_text().strip() if latest.is_file() else "*"
+    found = sorted(folder.glob(f"{tag}/*model_states.pt")) or sorted(folder.glob("meta.pt"))
+    return found[0] if found else None
+
+
+def checkpoint_step(path: Path, need_training_state: bool = False) -> int | None:
+    """The global step a checkpoint was saved at, read without loading its tensors; None when it
+    is not a complete torch checkpoint (or, with `need_training_state`, a file without optimizer
+    state: `save_weights_only`)."""
+    file = _step_file(path) if path.is_dir() else path
+    if file is None:
+        return None
+    try:
+        with zipfile.ZipFile(file) as archive:  # a truncated file has no central directory
+            pickled = [
+                n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1
+            ]
+            if not pickled:
+                return None
+            with archive.open(pickled[0]) as data:
+                contents = _StepReader(data).load()
+    except Exception:  # unreadable, truncated, not a torch zip file: not a usable checkpoint
+        return None
+    if not isinstance(contents, dict) or not isinstance(contents.get("global_step"), int):
+        return None
+    if need_training_state and file == path and "optimizer_states" not in contents:
+        return None
+    return contents["global_step"]
 
 
 def saved_configs(run: RunDir) -> list[Path]:
@@ -78,3 +186,22 @@ def is_rank_zero() -> bool:
         if os.environ.get(var, "0") != "0":
             return False
     return True
+
+
+# SIGUSR1 (SLURM's warning before preemption) kills a process that has no handler for it. The
+# launcher holds it from its first line; the checkpoint callback takes over when fit starts and
+# saves after the first step if one came meanwhile (lun.callbacks.signals).
+_held_signals: list[int] = []
+
+
+def hold_save_signal() -> None:
+    """Remember SIGUSR1 from now on instead of dying of it (call before anything slow)."""
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _held_signals.append(signum))
+
+
+def take_held_save_signal() -> bool:
+    """Whether SIGUSR1 came since `hold_save_signal` (and forget it)."""
+    held = bool(_held_signals)
+    _held_signals.clear()
+    return held

@@ -6,11 +6,13 @@ kept (`step-000010000.ckpt`), and the best by a validation metric (`best.ckpt`).
 through the trainer's CheckpointIO, i.e. `lun.atomic_io.AtomicCheckpointIO` in our launcher.
 """
 
+import os
 import re
 
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lun.atomic_io import atomic_link
 from lun.callbacks.progress import batch_size_of
 
 
@@ -34,6 +36,7 @@ class Checkpoint(ModelCheckpoint):
       `best` for the best by `monitor`, `step-{step:09d}` for checkpoints that are kept.
     - `save_on_train_end`: also save when training ends (and update `last.ckpt`), so the final
       weights are never up to `every_n_train_steps` steps old.
+    - `save_last: link` swaps `last.ckpt` atomically (a new link renamed over the old one).
 
     Defaults that differ from ModelCheckpoint's: `auto_insert_metric_name=False` (the names above
     already spell out their fields) and `enable_version_counter=False` (a fixed name overwrites
@@ -119,6 +122,14 @@ class Checkpoint(ModelCheckpoint):
             save_every_n_samples=self.save_every_n_samples,
             filename=self.filename,
         )
+
+    @staticmethod
+    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        # Lightning removes `last.ckpt` and then links it: a death in between leaves no
+        # `last.ckpt`. Here the new link replaces the old one in a single rename.
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            atomic_link(filepath, linkpath)
+        trainer.strategy.barrier()
 
     def _monitor_candidates(self, trainer) -> dict[str, torch.Tensor]:
         candidates = super()._monitor_candidates(trainer)

@@ -91,6 +91,12 @@ NAMES = [
         ["self", "kwargs"],
         CHECKPOINTS,
     ),
+    (
+        "lightning.pytorch.callbacks.ModelCheckpoint._link_checkpoint",
+        ["trainer", "filepath", "linkpath"],
+        CHECKPOINTS,
+    ),
+    ("lightning.pytorch.utilities.exceptions.SIGTERMException", None, "lun/callbacks/signals.py"),
 ]
 
 
