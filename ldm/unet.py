@@ -187,6 +187,8 @@ class UNetModel(nn.Module):
             )
         if num_heads == -1 and num_head_channels == -1:
             raise ValueError("set either num_heads or num_head_channels")
+        if model_channels % 32:  # every width is a multiple of it, and group_norm has 32 groups
+            raise ValueError(f"model_channels={model_channels}: expected a multiple of 32")
         check_attention_backend(attention_backend)
         self.model_channels = model_channels
         self.num_classes = num_classes

@@ -1,7 +1,9 @@
 """Load and merge YAML configs; turn every config mistake into one clear line."""
 
 import logging
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -15,13 +17,25 @@ class ConfigError(ValueError):
     """A mistake in the user's config: the message is one line naming the key or file."""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` (no dot) as text; read it as the number it means, as OmegaConf's
+    dotlist overrides do, so `base_learning_rate: 1e-4` in a file equals `...=1e-4` on the line."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
 def load_yaml(path: str | Path) -> DictConfig:
     """Read one YAML file; a syntax error names the file and line."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)  # a SafeLoader: no Python objects
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -131,6 +145,41 @@ def _probability(key: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ConfigError(f"{key}={value}: expected a probability in [0, 1]")
     return float(value)
+
+
+@contextmanager
+def config_errors(key: str, config: Mapping | None = None) -> Iterator[None]:
+    """Inside, a ValueError - a constructor refusing a value, an unknown target or parameter - is
+    a ConfigError naming `key`, the config section being built from `config`.
+
+    Constructors name the parameter first (`flip_p=2: expected ...`, `metadata_params.x: ...`):
+    when that name is a key found exactly once under `config`, the message gets its full path
+    (`data.params.train.params.flip_p=2: ...`). Anything else (TypeError, AttributeError, ...) is
+    a bug, not a config mistake, and keeps its traceback.
+    """
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as err:
+        message = _first_line(err)
+        name = re.match(r"(\w+)[=.:]", message)
+        paths = list(_key_paths(config, name.group(1))) if name and config else []
+        if len(paths) == 1:
+            raise ConfigError(f"{key}.{paths[0]}{message[len(name.group(1)) :]}") from err
+        raise ConfigError(f"{key}: {message}") from err
+
+
+def _key_paths(node, name: str, prefix: str = "") -> Iterator[str]:
+    """Dotted paths of every key called `name` in nested mappings and lists."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if key == name:
+                yield f"{prefix}{key}"
+            yield from _key_paths(value, name, f"{prefix}{key}.")
+    elif isinstance(node, list | tuple):
+        for i, value in enumerate(node):
+            yield from _key_paths(value, name, f"{prefix}{i}.")
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -20,7 +20,8 @@ from lun.data.images import IMAGE_EXTENSIONS, ImageError, image_size
 
 logger = logging.getLogger("lun.data")
 
-CACHE_VERSION = 1
+# 2: metadata paths outside data_root are refused; the index lists files kept with a note.
+CACHE_VERSION = 2
 # Header reads are mostly I/O waits (network file systems especially); threads overlap them.
 HEADER_THREADS = 16
 

@@ -7,10 +7,12 @@ Flat files (no `metadata_params`):
 
 Metadata (`metadata_params` given): data_root/metadata/**/*.json, see lun/data/metadata.py.
 
-Bad input never stops a run. Zero-byte files, malformed or incomplete JSON and (when headers are
-read) non-images are left out at indexing; an image that fails to decode at load time is replaced
-by another sample. Each such file is named once in the log (logger "lun.data") and counted in the
-summaries after indexing and at every epoch boundary.
+Bad input never stops a run. Zero-byte files, malformed or incomplete JSON, metadata paths that
+leave data_root and (when headers are read) non-images are left out at indexing; an image that
+fails to decode at load time is replaced by another sample; a caption file that is not UTF-8 is
+read by its byte-order mark or as cp1252 (lun.data.report.decode_text). Each such file is named
+once in the log (logger "lun.data") and counted in the summaries after indexing and at every
+epoch boundary.
 """
 
 import logging
@@ -28,6 +30,7 @@ from lun.data.images import (
     INTERPOLATIONS,
     ImageError,
     check_choice,
+    decode_image,
     load_image_tensor,
 )
 from lun.data.index import (
@@ -43,7 +46,7 @@ from lun.data.index import (
     walk,
 )
 from lun.data.metadata import MetadataParams, build_caption, metadata_records, select
-from lun.data.report import BadInputLog
+from lun.data.report import BadInputLog, decode_text
 
 logger = logging.getLogger("lun.data")
 
@@ -94,11 +97,20 @@ class Local(torch.utils.data.Dataset):
         cache_dir: str | bool | None = None,
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
     ):
+        # ValueErrors name the parameter first: the launcher reports them as config errors.
+        if not isinstance(data_root, str) or not data_root:
+            raise ValueError(f"data_root={data_root!r}: expected the dataset's folder")
         if not os.path.isdir(data_root):
-            raise FileNotFoundError(f"data_root {data_root!r} is not a folder")
-        if not 0.0 <= flip_p <= 1.0:
-            raise ValueError(f"flip_p={flip_p}: expected a probability in [0, 1]")
-        self.data_root, self.size = data_root, int(size)
+            what = "is not a folder" if os.path.exists(data_root) else "does not exist"
+            raise ValueError(f"data_root={data_root!r} {what}: expected the dataset's folder")
+        if isinstance(flip_p, bool) or not isinstance(flip_p, int | float) or not 0 <= flip_p <= 1:
+            raise ValueError(f"flip_p={flip_p!r}: expected a probability in [0, 1]")
+        for name, value in (("size", size), ("limit_images", limit_images)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name}={value!r}: expected a whole number >= 1")
+        self.data_root, self.size = data_root, size
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
         self.missing_caption = check_choice("missing_caption", missing_caption, ("empty", "skip"))
@@ -120,7 +132,7 @@ class Local(torch.utils.data.Dataset):
             rows = sorted(random.Random(0).sample(rows, int(limit_images)))
         if not rows:
             raise ValueError(
-                f"no usable items in {data_root}: found {describe_listing(listing)}; "
+                f"data_root={data_root!r} has no usable items: found {describe_listing(listing)}; "
                 f"{self.bad_input.describe()}. Expected images/**/<name>.png|jpg|jpeg|webp|bmp "
                 "with captions/**/<name>.txt"
                 + (", and metadata/**/*.json naming them (metadata mode)" if self.metadata else "")
@@ -154,16 +166,19 @@ class Local(torch.utils.data.Dataset):
         index = load_cached(cache_dir or None, key)
         cached = index is not None
         if index is None:
+            noted = []  # [(path, reason, detail)] of files kept with a problem
             if self.metadata is None:
                 records, skipped = flat_records(listing)
             else:
-                records, skipped = metadata_records(self.data_root, listing, every_nth)
+                records, skipped, noted = metadata_records(self.data_root, listing, every_nth)
             if need_aspect:
                 skipped += read_aspects(self.data_root, records, self.max_image_pixels)
-            index = {"records": records, "skipped": skipped}
+            index = {"records": records, "skipped": skipped, "noted": noted}
             save_cached(cache_dir or None, key, index)
         for rel, reason, detail in index["skipped"]:
             self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
+        for rel, reason, detail in index["noted"]:
+            self.bad_input.warn(os.path.join(self.data_root, rel), reason, detail)
         logger.info(
             "%s: indexed %d files in %.2f s%s",
             self.data_root,
@@ -212,8 +227,30 @@ class Local(torch.utils.data.Dataset):
             return build_caption(stored.split(TAG_JOINER) if stored else [], self.metadata)
         if not stored:
             return ""
-        with open(os.path.join(self.data_root, stored), "rb") as file:
-            return file.read().decode("utf-8-sig", errors="replace").strip()
+        path = os.path.join(self.data_root, stored)
+        with open(path, "rb") as file:
+            text, problem = decode_text(file.read())
+        if problem is not None:
+            self.bad_input.load_note(index, path, problem)
+        return text.strip()
+
+    def check_readable(self) -> None:
+        """Decode images until one works (no random number is drawn); ValueError naming data_root
+        when none of the first MAX_FRESH_FAILURES does. The launcher calls this before it creates
+        the run folder, so a folder of unreadable files stops there, not inside `fit`."""
+        tried = min(len(self), MAX_FRESH_FAILURES)
+        for index in range(tried):
+            path = os.path.join(self.data_root, self._images[index])
+            try:
+                decode_image(path, cover=self.item_size(index), max_pixels=self.max_image_pixels)
+                return
+            except (ImageError, OSError) as err:
+                self.bad_input.load_failed(index, path, err)
+                last = err
+        raise ValueError(
+            f"data_root={self.data_root!r} has no usable image: the first {tried} cannot be "
+            f"read (the last: {last})"
+        )
 
     def _load(self, index: int, size: tuple[int, int]) -> dict:
         path = os.path.join(self.data_root, self._images[index])

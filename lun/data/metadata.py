@@ -1,8 +1,9 @@
 """Metadata mode: one JSON file per image with tags and a score, filtered and made into captions.
 
 `data_root/metadata/**/*.json`, each `{"tags": [...], "score": N, "path": "images/..."}` (the path
-relative to data_root; extra keys are ignored, and `width`/`height` or `aspect_ratio`, when
-present, spare opening the image for `aspect_range` and buckets). Filtering by score and tags
+relative to data_root - an absolute one, or one that climbs out with "..", is refused; extra keys
+are ignored, and `width`/`height` or `aspect_ratio`, when present, spare opening the image for
+`aspect_range` and buckets). JSON that is not UTF-8 is read as lun.data.report.decode_text says. Filtering by score and tags
 happens once at indexing; the caption - tag shuffling - is drawn afresh for every sample.
 """
 
@@ -12,10 +13,12 @@ import json
 import os
 import posixpath
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from lun.data.index import is_image
+from lun.data.report import decode_text
 
 
 @dataclass(frozen=True)
@@ -96,11 +99,13 @@ def _number(value) -> float | None:
         return None
 
 
-def parse_metadata(raw: bytes) -> dict:
-    """{"path", "tags", "score", "aspect" (None unless given)} from one JSON file's bytes."""
+def parse_metadata(raw: bytes | str) -> dict:
+    """{"path", "tags", "score", "aspect" (None unless given)} from one JSON file's bytes (or
+    text, already decoded)."""
+    text = decode_text(raw)[0] if isinstance(raw, bytes) else raw
     try:
-        meta = json.loads(raw.decode("utf-8-sig"))
-    except (UnicodeDecodeError, ValueError) as err:
+        meta = json.loads(text)
+    except ValueError as err:
         raise MetadataError("malformed JSON", str(err)) from None
     if not isinstance(meta, dict):
         raise MetadataError("malformed JSON", f"expected an object, got {type(meta).__name__}")
@@ -123,19 +128,31 @@ def parse_metadata(raw: bytes) -> dict:
     return {"path": path, "tags": tags, "score": score, "aspect": aspect}
 
 
-def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, list]:
-    """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json`, and the
-    [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing)."""
+def image_path(path: str) -> str:
+    """A metadata `path` as a normalised path relative to data_root; MetadataError if it leaves
+    data_root (absolute, a Windows drive, or climbing out with ".."): a dataset file must not
+    make training read files elsewhere on the machine."""
+    image = posixpath.normpath(path.replace("\\", "/"))
+    if posixpath.isabs(image) or re.match(r"[A-Za-z]:/", image) or image.split("/")[0] == "..":
+        raise MetadataError("path outside data_root", path)
+    return image
+
+
+def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, list, list]:
+    """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json`, the
+    [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing,
+    path outside data_root), and those of files kept with a problem (not UTF-8)."""
     sizes = {rel: size for rel, size, _ in listing}
     files = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
     files = files[:: every_nth or 1]
     records = {"image": [], "tags": [], "score": [], "aspect": []}
-    skipped = []
+    skipped, noted = [], []
     for rel in files:
         try:
             with open(os.path.join(root, rel), "rb") as file:
-                meta = parse_metadata(file.read())
-            image = posixpath.normpath(meta["path"].replace("\\", "/"))
+                text, problem = decode_text(file.read())
+            meta = parse_metadata(text)
+            image = image_path(meta["path"])
             if not is_image(image):
                 raise MetadataError("unsupported image type", image)
             size = sizes.get(image)
@@ -151,11 +168,13 @@ def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, l
         except OSError as err:
             skipped.append((rel, "unreadable", str(err)))
             continue
+        if problem is not None:
+            noted.append((rel, problem, ""))
         records["image"].append(image)
         records["tags"].append(meta["tags"])
         records["score"].append(meta["score"])
         records["aspect"].append(meta["aspect"])
-    return records, skipped
+    return records, skipped, noted
 
 
 def _threshold_name(threshold) -> str:

@@ -1,11 +1,13 @@
 """Bad input is skipped, counted and reported once per file - training goes on.
 
 Index-time problems (zero-byte files, malformed JSON, missing fields) are met in the main process.
-Load-time problems (an undecodable image) are met in DataLoader workers, so the "already reported"
-flag of each item lives in a shared-memory tensor: a file is logged once per run however many
-workers and epochs meet it, and the main process can count them for the end-of-epoch summary.
+Load-time problems (an undecodable image, a caption that is not clean UTF-8) are met in DataLoader
+workers, so the "already reported" flag of each item lives in a shared-memory tensor: a file is
+logged once per run however many workers and epochs meet it, and the main process can count them
+for the end-of-epoch summary.
 """
 
+import codecs
 import logging
 from collections import Counter
 
@@ -16,6 +18,52 @@ logger = logging.getLogger("lun.data")
 # Past this many files of one kind, details go to DEBUG so that a folder of 100k broken files
 # does not bury the console; every file is still reported once in a DEBUG log.
 WARNINGS_PER_REASON = 20
+
+# What `decode_text` could not read cleanly, as the summaries count it ("3 caption files with
+# ..."); at load time item i's flag BadInputLog.noted[i] is 1 + the note's index here.
+LEGACY = "not UTF-8 (read as cp1252)"
+UNDECODABLE = "undecodable bytes (replaced by U+FFFD)"
+LOAD_NOTES = (LEGACY, UNDECODABLE)
+# Longest first: the UTF-32 LE mark begins with the UTF-16 LE one.
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
+
+
+def decode_text(raw: bytes) -> tuple[str, str | None]:
+    """Text file bytes -> (text, problem): problem is None, LEGACY or UNDECODABLE.
+
+    A byte-order mark names the encoding (UTF-8, UTF-16 or UTF-32, as Windows editors write
+    them); UTF-16 without a mark is recognised by its zero bytes (ASCII text has one in every
+    other position, which no UTF-8 caption has); otherwise UTF-8, and if that fails cp1252 (the
+    Windows superset of latin-1, where older tools' captions come from). Bytes that the chosen
+    encoding cannot decode become U+FFFD and the problem says so: never silently.
+    """
+    for bom, encoding in _BOMS:
+        if raw.startswith(bom):
+            return _decode(raw[len(bom) :], encoding)
+    if b"\0" in raw and len(raw) % 2 == 0:
+        even, odd = raw[0::2].count(0), raw[1::2].count(0)
+        if odd and not even:
+            return _decode(raw, "utf-16-le")
+        if even and not odd:
+            return _decode(raw, "utf-16-be")
+    try:
+        return raw.decode("utf-8"), None
+    except UnicodeDecodeError:
+        text = raw.decode("cp1252", errors="replace")  # 5 byte values are unassigned in cp1252
+        return text, UNDECODABLE if "\ufffd" in text else LEGACY
+
+
+def _decode(raw: bytes, encoding: str) -> tuple[str, str | None]:
+    try:
+        return raw.decode(encoding), None
+    except UnicodeDecodeError:
+        return raw.decode(encoding, errors="replace"), UNDECODABLE
 
 
 class BadInputLog:
@@ -29,10 +77,12 @@ class BadInputLog:
         self.skipped = Counter()  # reason -> files skipped at indexing
         self.warned = Counter()  # reason -> files kept with a warning
         self.failed = None  # (N,) bool shared tensor: item failed to load, set by `track_items`
+        self.noted = None  # (N,) uint8 shared tensor: 1 + index in LOAD_NOTES of a load-time note
 
     def track_items(self, num_items: int) -> None:
         """Allocate the shared per-item flags (call in the main process, before workers start)."""
         self.failed = torch.zeros(num_items, dtype=torch.bool).share_memory_()
+        self.noted = torch.zeros(num_items, dtype=torch.uint8).share_memory_()
 
     def skip(self, path: str, reason: str, detail: str = "") -> None:
         """A file left out of the index; `reason` is a short category such as "zero bytes"."""
@@ -56,6 +106,16 @@ class BadInputLog:
         logger.warning("unreadable %s (%s), substituted another sample", path, error)
         return True
 
+    def load_note(self, index: int, path: str, note: str) -> bool:
+        """An item loaded with a problem (`note`, one of LOAD_NOTES, e.g. a caption that is not
+        UTF-8); logs it the first time only. Returns True if new."""
+        code = LOAD_NOTES.index(note) + 1
+        if self.noted is None or int(self.noted[index]) == code:
+            return False
+        self.noted[index] = code
+        logger.warning("note %s: %s", path, note)
+        return True
+
     def is_known_bad(self, index: int) -> bool:
         return self.failed is not None and bool(self.failed[index])
 
@@ -76,13 +136,22 @@ class BadInputLog:
         return message
 
     def summarize_epoch(self, when: str) -> str | None:
-        """One line at an epoch boundary (`when`: "after epoch 3") if any item failed to load."""
-        failed = 0 if self.failed is None else int(self.failed.sum())
-        if not failed:
+        """One line at an epoch boundary (`when`: "after epoch 3") if any item failed to load or
+        was loaded with a note (a caption that is not clean UTF-8)."""
+        if self.failed is None:
             return None
-        message = (
-            f"{self.source}: {when}, {failed} of {len(self.failed)} items were unreadable and "
-            "replaced by other samples (each is named once above)"
-        )
+        parts = []
+        failed = int(self.failed.sum())
+        if failed:
+            parts.append(
+                f"{failed} of {len(self.failed)} items were unreadable and replaced by other samples"
+            )
+        for code, note in enumerate(LOAD_NOTES, 1):
+            count = int((self.noted == code).sum())
+            if count:
+                parts.append(f"{count} caption file{'s' if count > 1 else ''} with {note}")
+        if not parts:
+            return None
+        message = f"{self.source}: {when}, {'; '.join(parts)} (each is named once above)"
         logger.warning(message)
         return message

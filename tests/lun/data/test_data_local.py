@@ -131,7 +131,7 @@ def test_a_folder_without_usable_items_fails_at_start_saying_what_it_found(tmp_p
         Local(str(tmp_path), cache_dir=False)
     message = str(info.value)
     assert str(tmp_path) in message and "1 .gif" in message and "1 zero bytes" in message
-    with pytest.raises(FileNotFoundError, match="not a folder"):
+    with pytest.raises(ValueError, match="does not exist"):
         Local(str(tmp_path / "nope"))
 
 
