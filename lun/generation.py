@@ -6,11 +6,15 @@ AUTOMATIC1111 writes (and ComfyUI / other viewers read).
 
 import argparse
 import contextlib
+import os
+import pickle
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from PIL.PngImagePlugin import PngInfo
 
 from ldm import checkpoint
@@ -78,6 +82,57 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="allow pickled code in a .ckpt (only for files you trust)",
     )
+
+
+class ScriptError(SystemExit):
+    """Ends a script with exit status `status` after its one-line message; `str()` is the line."""
+
+    def __init__(self, line: str, status: int):
+        super().__init__(line)
+        self.code = status
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """What a script's user sees instead of a traceback: a refused, damaged or missing file or a
+    bad value is one line naming it, exit status 2; a failed write (a full disk) is the
+    system's words and the path, exit status 1."""
+    try:
+        yield
+    except (
+        FileNotFoundError,
+        UnidentifiedImageError,
+        KeyError,
+        ValueError,
+        ImportError,
+        pickle.UnpicklingError,  # ldm.checkpoint.UnsafeCheckpointError
+    ) as err:
+        _fail(str(err).strip("'"), 2)
+    except OSError as err:
+        _fail(f"{err.strerror or err} ({err.filename})" if err.filename else str(err), 1)
+
+
+def _fail(message: str, status: int):
+    line = "error: " + " ".join(message.split())
+    print(line, file=sys.stderr)
+    raise ScriptError(line, status) from None
+
+
+@contextlib.contextmanager
+def writing(path):
+    """Errors while writing `path` as an OSError that names it. safetensors reports a full disk as
+    "I/O error: No space left on device (os error 28)", PIL without the file name."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
+    except Exception as err:
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from err
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -160,7 +215,8 @@ def save_png(image: Image.Image, path: Path, parameters: str | None = None) -> N
     if parameters is not None:
         info = PngInfo()
         info.add_text("parameters", parameters)
-    image.save(path, pnginfo=info)
+    with writing(path):
+        image.save(path, pnginfo=info)
 
 
 def starting_noise(seeds: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

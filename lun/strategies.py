@@ -229,6 +229,9 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         self.barrier()
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        # DeepSpeed's engine unpickles its folder with weights_only=False: checked first, unless
+        # the caller trusts it (`Trainer.fit(weights_only=False)`: main.py --unsafe-load).
+        check_checkpoint(checkpoint_path, unsafe=weights_only is False)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         extra = checkpoint.pop(CALLBACK_STATE_KEY, None)
         if extra and "state_dict" not in checkpoint:
@@ -390,6 +393,9 @@ class FSDPStrategy(LightningFSDPStrategy):
             return super().optimizer_state(optimizer)
 
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        # Lightning reads a full file with a plain unpickler and a sharded folder's `.metadata`
+        # with pickle.load: checked first, unless trusted (`Trainer.fit(weights_only=False)`).
+        check_checkpoint(checkpoint_path, unsafe=weights_only is False)
         with self._cpu_safe_full_state_dicts():
             loaded = super().load_checkpoint(checkpoint_path, weights_only)
         # Lightning moved the weights into the model and dropped the rest of the state dict;
@@ -486,6 +492,50 @@ def gathered_parameters(
     return nullcontext()
 
 
+def _deepspeed_records() -> list:
+    """Plain records DeepSpeed pickles into its checkpoint files besides tensors (pinned by a
+    test); none when DeepSpeed is not installed (its folders then need --unsafe-load)."""
+    if importlib.util.find_spec("deepspeed") is None:
+        return []
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _deepspeed_tag(path: Path) -> str:
+    latest = path / "latest"
+    if latest.is_file():
+        return latest.read_text().strip()
+    return next(path.glob("*/*model_states.pt")).parent.name
+
+
+def check_checkpoint(path: str | Path, unsafe: bool = False) -> None:
+    """Refuse (`ldm.checkpoint.UnsafeCheckpointError`, naming the file and the class) a training
+    checkpoint with any pickle outside the allow-list, before a loader that would run it does.
+
+    A file is loaded weights-only; a folder has all its pickles checked: every `*.pt` in it and
+    in the folder its DeepSpeed `latest` file names (DeepSpeed loads them with
+    weights_only=False), and what torch.distributed.checkpoint reads of a sharded FSDP folder.
+    Nothing is kept (tensors are memory-mapped), so this costs little. `unsafe`: no check.
+    """
+    path = Path(path)
+    if unsafe or not path.exists():
+        return  # a missing checkpoint is the loader's error to report
+    if path.is_file():
+        checkpoint.check_pickle(path)
+        return
+    records = _deepspeed_records()
+    if any(p.name.endswith(".metadata") for p in path.iterdir()):
+        checkpoint.check_sharded_folder(path, records)
+    files = set(path.rglob("*.pt"))
+    if (path / "latest").is_file():
+        files |= set((path / _deepspeed_tag(path)).rglob("*.pt"))
+    for file in sorted(files):
+        checkpoint.check_pickle(file, records)
+
+
 def load_training_checkpoint(path: str | Path, unsafe: bool = False) -> dict:
     """Any training checkpoint as one `{"state_dict": ..., "global_step": ...}` dict in CPU memory.
 
@@ -512,28 +562,16 @@ def load_training_checkpoint(path: str | Path, unsafe: bool = False) -> dict:
 
 
 def _merge_deepspeed(path: Path, unsafe: bool) -> dict:
+    # DeepSpeed unpickles with weights_only=False; files that load weights-only first hold no
+    # code, so its second load cannot run any.
+    check_checkpoint(path, unsafe)
     _require("deepspeed", f"{path} is a DeepSpeed checkpoint; merging it")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    latest = path / "latest"
-    tag = (
-        latest.read_text().strip()
-        if latest.is_file()
-        else next(path.glob("*/*model_states.pt")).parent.name
-    )
-    files = sorted((path / tag).glob("*.pt"))
-    # DeepSpeed unpickles with weights_only=False; a file that loads weights-only first holds no
-    # code, so its second load cannot run any. Its optimizer files also hold a few plain records.
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    records = [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
-    with torch.serialization.safe_globals(records):
-        contents = {f.name: checkpoint.load_file_state(f, unsafe=unsafe) for f in files}
-    # Rank 0 model file (`mp_rank_00_*`, `zero_pp_rank_0_*` under ZeRO-3) has the client state.
-    client = contents[next(f.name for f in files if f.name.endswith("model_states.pt"))]
-    del contents
+    tag = _deepspeed_tag(path)
+    # Rank 0's model file (`mp_rank_00_*`, `zero_pp_rank_0_*` under ZeRO-3) has the client state.
+    client_file = sorted((path / tag).glob("*model_states.pt"))[0]
+    client = checkpoint.load_file_state(client_file, unsafe, extra_globals=_deepspeed_records())
     state = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag))
     return _as_lightning_checkpoint(state, client)
 
@@ -541,9 +579,8 @@ def _merge_deepspeed(path: Path, unsafe: bool) -> dict:
 def _merge_fsdp_shards(path: Path, unsafe: bool) -> dict:
     from lightning.fabric.utilities.load import _load_distributed_checkpoint
 
-    if not unsafe:
-        for meta in path.glob("*.pt"):
-            checkpoint.load_file_state(meta)
+    # torch.distributed.checkpoint unpickles `.metadata` and non-tensor entries fully.
+    check_checkpoint(path, unsafe)
     merged = _load_distributed_checkpoint(path)
     return _as_lightning_checkpoint(dict(merged.pop(checkpoint.SHARDED_MODULE_KEY)), merged)
 

@@ -15,7 +15,6 @@ stays float32).
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from ldm import checkpoint
 from ldm.schedule import SCHEDULE_BUFFER_NAMES
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
-from lun.generation import find_config
+from lun.generation import find_config, one_line_errors, writing
 from lun.strategies import load_training_checkpoint
 
 
@@ -62,12 +61,45 @@ def cast_weights(state: dict, dtype) -> dict:
 def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: bool) -> None:
     state = cast_weights(state, dtype)
     if path.suffix == ".safetensors":
-        checkpoint.save_safetensors(state, path, metadata={"format": "pt"})
+        with writing(path):
+            checkpoint.save_safetensors(state, path, metadata={"format": "pt"})
         return
     kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({**kept, "state_dict": state, "global_step": contents.get("global_step", 0)}, tmp)
+    with writing(path):
+        _torch_save(
+            {**kept, "state_dict": state, "global_step": contents.get("global_step", 0)}, tmp
+        )
     tmp.replace(path)
+
+
+def _torch_save(obj, path: Path) -> None:
+    """torch.save through a Python file, so a failed write (a full disk) surfaces as its OSError
+    rather than torch's "[enforce fail at inline_container.cc] unexpected pos"."""
+    failed = []
+
+    class Sink:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            try:
+                return self.file.write(data)
+            except OSError as err:
+                failed.append(err)
+                raise
+
+        def flush(self):
+            self.file.flush()
+
+    try:
+        with open(path, "wb") as file:
+            torch.save(obj, Sink(file))
+    except BaseException as err:
+        path.unlink(missing_ok=True)
+        if failed and isinstance(err, RuntimeError):
+            raise failed[0] from None
+        raise
 
 
 def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
@@ -154,7 +186,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")
-    try:
+    with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
         contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
@@ -164,10 +196,9 @@ def main(argv=None) -> None:
         if args.to_diffusers:
             configs = [args.config] if args.config else find_config(Path(args.ckpt))
             original = to_container(merge_configs(configs))
-            export_diffusers(checkpoint.without_ema(state), original, Path(args.to_diffusers))
+            with writing(args.to_diffusers):
+                export_diffusers(checkpoint.without_ema(state), original, Path(args.to_diffusers))
             print(f"wrote diffusers pipeline to {args.to_diffusers}")
-    except (FileNotFoundError, KeyError, ValueError, ImportError) as err:
-        sys.exit(f"error: {str(err).strip(chr(39))}")
 
 
 if __name__ == "__main__":

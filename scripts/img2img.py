@@ -5,9 +5,8 @@
 """
 
 import argparse
-import sys
 
-from lun.generation import add_generation_args, generate, load_init_image
+from lun.generation import add_generation_args, generate, load_init_image, one_line_errors
 
 
 def main(argv=None) -> None:
@@ -26,11 +25,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0.0 <= args.strength <= 1.0:
         parser.error("--strength must be in [0, 1]")
-    try:
+    with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
         init = load_init_image(args.init_img, args.W, args.H)
         generate(args, init_images=init, extra_params={"Denoising strength": args.strength})
-    except (FileNotFoundError, KeyError, ValueError) as err:
-        sys.exit(f"error: {str(err).strip(chr(39))}")
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@
 """
 
 import argparse
-import sys
 
-from lun.generation import add_generation_args, generate
+from lun.generation import add_generation_args, generate, one_line_errors
 
 
 def main(argv=None) -> None:
@@ -18,10 +17,8 @@ def main(argv=None) -> None:
     )
     add_generation_args(parser)
     args = parser.parse_args(argv)
-    try:
+    with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
         generate(args)
-    except (FileNotFoundError, KeyError, ValueError) as err:
-        sys.exit(f"error: {str(err).strip(chr(39))}")
 
 
 if __name__ == "__main__":
