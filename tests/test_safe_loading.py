@@ -346,6 +346,27 @@ def test_resume_of_each_folder_kind(tmp_path, launch, tiny_config, payload, kind
     assert_refused(lines[0], next(folder.rglob(file)), payload)
 
 
+def test_unsafe_load_lets_resume_trust_the_file(
+    tmp_path, launch, tiny_config, shapes_dir, monkeypatch
+):
+    """--unsafe-load passes the launcher's check and tells Lightning's loaders to trust the file
+    (`weights_only=False`); the payload is not run here: fit is stubbed."""
+    from lightning.pytorch import Trainer
+
+    given = {}
+    monkeypatch.setattr(Trainer, "fit", lambda trainer, *args, **kwargs: given.update(kwargs))
+    evil = evil_file(tmp_path / "run" / "checkpoints" / "last.ckpt", SystemPayload(tmp_path / "S"))
+    data = f"data.params.train.params.data_root={shapes_dir}"
+    status, _, err, _ = launch(
+        "--base", str(tiny_config), data, "-r", str(evil), "--unsafe-load", "-t"
+    )
+    assert status == 0, err
+    assert given["ckpt_path"] == str(evil) and given["weights_only"] is False
+    given.clear()
+    status, _, err, _ = launch("--base", str(tiny_config), data, "-r", str(evil), "-t")
+    assert status == 2 and given == {}  # without the flag: refused, fit never called
+
+
 def test_the_trainer_refuses_a_file_without_the_launchers_check(
     tmp_path, launch, tiny_config, shapes_dir, monkeypatch
 ):
