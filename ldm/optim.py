@@ -5,6 +5,7 @@ import itertools
 import math
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ldm.util import get_obj_from_str, instantiate_from_config
 
@@ -108,10 +109,57 @@ class LambdaLinearScheduler:
         return self.f_min[cycle] + (self.f_max[cycle] - self.f_min[cycle]) * fraction
 
 
+class ConfiguredLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """LambdaLR whose resume keeps the step count but follows the config.
+
+    torch's LambdaLR restores a callable multiplier's attributes and the base learning rates
+    from the checkpoint, over the ones just built from the config: a run resumed with a larger
+    `max_steps` (`total_steps: ${lightning.trainer.max_steps}`) would keep the old end of the
+    schedule and train the added steps at its floor. Here the config's multiplier and learning
+    rates stay, the step count comes from the checkpoint, and a difference is said in one line.
+    With an unchanged config the learning rates are bit for bit those of the saved run.
+    """
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        built = {"base_lrs": list(self.base_lrs), "multiplier": [vars(f) for f in self.lr_lambdas]}
+        saved = {"base_lrs": state_dict["base_lrs"], "multiplier": state_dict["lr_lambdas"]}
+        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})
+        self.base_lrs = built["base_lrs"]
+        changes = _differences(saved, built)
+        if changes:
+            rank_zero_info(
+                f"LR schedule: the config differs from the checkpoint ({'; '.join(changes)}); "
+                f"following the config from step {self.last_epoch}"
+            )
+        # The optimizer came back with the checkpoint schedule's rate for this step; the config's
+        # applies from this step on (the same expression `step()` evaluates).
+        self._last_lr = [
+            base_lr * multiplier(self.last_epoch)
+            for multiplier, base_lr in zip(self.lr_lambdas, self.base_lrs)
+        ]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+
+def _differences(saved: dict, built: dict) -> list[str]:
+    """One entry per value that differs, such as `total_steps 40 -> 80`."""
+    changes = []
+    if saved["base_lrs"] != built["base_lrs"]:
+        changes.append(f"learning rates {saved['base_lrs']} -> {built['base_lrs']}")
+    for old, new in zip(saved["multiplier"], built["multiplier"]):
+        if old is None:  # a plain function: torch records nothing of it
+            continue
+        for key in sorted(old.keys() | new.keys()):
+            if old.get(key) != new.get(key):
+                changes.append(f"{key} {old.get(key)} -> {new.get(key)}")
+    return list(dict.fromkeys(changes))  # one entry for a multiplier shared by all groups
+
+
 def build_scheduler(optimizer, config: dict | None):
-    """A Lightning scheduler dict stepping `LambdaLR(config's multiplier)` every optimizer step."""
+    """A Lightning scheduler dict stepping `LambdaLR(config's multiplier)` every optimizer step
+    (a ConfiguredLambdaLR: on resume the config's schedule applies, at the saved step)."""
     if not config:
         return None
     multiplier = instantiate_from_config(config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=multiplier)
+    scheduler = ConfiguredLambdaLR(optimizer, lr_lambda=multiplier)
     return {"scheduler": scheduler, "interval": "step", "frequency": 1}

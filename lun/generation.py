@@ -149,8 +149,10 @@ def pick_device(name: str | None) -> torch.device:
 
 
 def find_config(ckpt: Path) -> list[Path]:
-    """A checkpoint inside a run folder (`<run>/checkpoints/x.ckpt`) names its own configs."""
-    configs = sorted((ckpt.parent.parent / "configs").glob("*-project.yaml"))
+    """A checkpoint inside a run folder (`<run>/checkpoints/x.ckpt`) names its own configs: all
+    of them, as a resume merges them (the model's may refer to the trainer's, as in
+    `total_steps: ${lightning.trainer.max_steps}`)."""
+    configs = sorted((ckpt.parent.parent / "configs").glob("*.yaml"))
     if not configs:
         raise FileNotFoundError(f"no --config given and no saved config next to {ckpt}")
     return configs

@@ -6,6 +6,7 @@
 - `checkpoints.Checkpoint`: ModelCheckpoint + `save_every_n_samples` and self-explaining names.
 - `nan_guard.NaNGuard`: skip NaN/inf steps, stop with a last-good checkpoint.
 - `epoch_stats.EpochStats`: time, throughput and peak memory per epoch.
+- `rng_state.RNGState`: every rank's random-number streams in each checkpoint, for exact resume.
 Checkpoint files are written atomically by `lun.atomic_io.AtomicCheckpointIO`.
 """
 

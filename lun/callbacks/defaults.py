@@ -42,6 +42,7 @@ ROLE_TARGETS = {
     "epoch_stats": "lun.callbacks.epoch_stats.EpochStats",
     "nan_guard": "lun.callbacks.nan_guard.NaNGuard",
     "ema": "lun.callbacks.ema.EMA",
+    "rng_state": "lun.callbacks.rng_state.RNGState",
 }
 
 
@@ -57,6 +58,8 @@ def default_callback_configs(
     - `best_checkpoint` (only with validation): `best.ckpt`, the lowest `monitor`.
     - `learning_rate_logger`, `epoch_stats` (time and peak memory per epoch), `nan_guard`
       (skips NaN/inf steps, stops after 20 in a row with `last-good.ckpt`).
+    - `rng_state`: the random-number streams of every rank in each checkpoint, put back on resume
+      (with the data position, optimizer and EMA this makes a resume bitwise exact).
     - `ema` only when `use_ema` (the model config's `use_ema`).
     """
     checkpoints = os.path.join(run_dir, "checkpoints")
@@ -84,6 +87,7 @@ def default_callback_configs(
             "params": {"logging_interval": "step"},
         },
         "epoch_stats": {"target": ROLE_TARGETS["epoch_stats"], "params": {}},
+        "rng_state": {"target": ROLE_TARGETS["rng_state"]},
         "nan_guard": {
             "target": ROLE_TARGETS["nan_guard"],
             "params": {"max_consecutive": 20, "dirpath": checkpoints},

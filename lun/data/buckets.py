@@ -147,18 +147,20 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         return batches
 
     def __iter__(self):
+        for _, batch in self.numbered():
+            yield batch
+
+    def numbered(self):
+        """This rank's batches of the epoch as (number in the epoch's global list, indices)."""
         if self.on_epoch_start is not None:
             self.on_epoch_start(self.epoch)
         batches = self.global_batches(self.epoch)
         skip, self._skip = self._skip, 0
-        mine = [
-            batches[i % len(batches)]
-            for i in range(self.rank, len(self) * self.world_size, self.world_size)
-        ]
+        numbers = range(self.rank, len(self) * self.world_size, self.world_size)
         self.position = skip
-        for batch in mine[skip:]:
+        for number in numbers[skip:]:
             self.position += 1
-            yield batch.tolist()
+            yield number, batches[number % len(batches)].tolist()
 
     def state_dict(self) -> dict:
         """Where this rank is: epoch, batches handed out in it, and the layout they came from."""

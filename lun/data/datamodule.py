@@ -23,38 +23,60 @@ For the launcher:
   this rank consumed (Lightning's own `batch_progress.current.processed`, which unlike a count in
   the loader is not inflated by prefetching) - and hands it back to `load_state_dict()` before the
   loaders are built; the resumed epoch then skips exactly those batches.
-- Seeds: the data order comes from `seed` (default: the seed given to `seed_everything`); each
-  DataLoader worker seeds torch, `random` and numpy from its own seed, worker id and rank.
+- Seeds: the data order comes from `seed` (default: the seed given to `seed_everything`). Each
+  batch is loaded under `random`, numpy and torch streams seeded by (seed, epoch, the batch's
+  number in the epoch) - `lun.rng.seeded` - so its flips and crops are the same on any rank, with
+  any number of workers, loaded ahead or not, and after a resume. The training process's own
+  streams are left as they were (what `lun.callbacks.rng_state` saves and restores).
 """
 
 import functools
 import os
-import random
 import warnings
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ldm.util import instantiate_from_config
 from lun.data.buckets import BucketBatchSampler
+from lun.rng import seeded
 
 LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
 
 
-def seed_worker(worker_id: int, rank: int = 0) -> None:
-    """worker_init_fn: distinct torch, `random` and numpy streams per worker and per rank.
+class KeyedBatches(Sampler):
+    """The batches of a BucketBatchSampler as (key, indices): the key (seed, epoch, number of
+    the batch in the epoch's global list) names a batch the same way on every rank, in every
+    worker and after a resume."""
 
-    torch.initial_seed() in a worker is the loader's base seed + worker id, but the base seed is
-    drawn from the main process's generator, which `seed_everything` makes equal on every rank -
-    so the rank is mixed in, else all ranks would augment alike.
-    """
-    sequence = np.random.SeedSequence([torch.initial_seed(), rank])
-    torch_seed, random_seed = (int(s) for s in sequence.generate_state(2, dtype=np.uint64))
-    torch.manual_seed(torch_seed)
-    random.seed(random_seed)
-    np.random.seed(sequence.generate_state(4))
+    def __init__(self, ordering: BucketBatchSampler):
+        self.ordering = ordering
+
+    def __len__(self) -> int:
+        return len(self.ordering)
+
+    def __iter__(self):
+        for number, batch in self.ordering.numbered():
+            yield (self.ordering.seed, self.ordering.epoch, number), batch
+
+
+class SeededItems(Dataset):
+    """A map-style dataset loaded a batch at a time (from KeyedBatches), each batch under streams
+    seeded by its key: its random draws (flips, crops, tag shuffles) depend on which batch it is,
+    not on which process loads it or what was loaded before."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitems__(self, keyed_batch: tuple) -> list:
+        key, indices = keyed_batch
+        with seeded(key):
+            return [self.dataset[i] for i in indices]
 
 
 class EpochLoader(DataLoader):
@@ -181,7 +203,10 @@ class DataModule(L.LightningDataModule):
             "num_workers": settings["num_workers"],
             "persistent_workers": settings["persistent_workers"],
             "pin_memory": settings["pin_memory"],
-            "worker_init_fn": functools.partial(seed_worker, rank=rank),
+            # Each iterator draws its workers' base seed from this generator; by default it is
+            # torch's global one, which the training step draws from: a resume, which starts an
+            # iterator mid-epoch, would shift the training's noise by one draw.
+            "generator": torch.Generator().manual_seed(seed),
         }
         if isinstance(dataset, IterableDataset):
             if not hasattr(dataset, "configure"):
@@ -209,7 +234,12 @@ class DataModule(L.LightningDataModule):
                 world_size=world_size,
                 on_epoch_start=functools.partial(_summarize_epoch, dataset) if train else None,
             )
-            loader = EpochLoader(dataset, batch_sampler=ordering, epochs=ordering, **loader_args)
+            loader = EpochLoader(
+                SeededItems(dataset),
+                batch_sampler=KeyedBatches(ordering),
+                epochs=ordering,
+                **loader_args,
+            )
         if train and "train" in self._resume:
             ordering.load_state_dict(self._resume.pop("train"))
         self.orderings[split] = ordering

@@ -37,6 +37,7 @@ from lun.data.images import (
     check_choice,
     load_image_tensor,
 )
+from lun.rng import seeded
 
 logger = logging.getLogger("lun.data")
 
@@ -266,8 +267,8 @@ class ShardStream(torch.utils.data.IterableDataset):
         return check_filters(raw["meta"], self.filters) if self.filters else None
 
     def _item(self, raw: dict) -> dict:
-        """Decode one sample. Its random draws use the worker-seeded `random` module, not the
-        ordering rng, so skipping samples on resume leaves the order of the rest unchanged."""
+        """Decode one sample. Its random draws use the `random` module (seeded per batch), not
+        the ordering rng, so skipping samples on resume leaves the order of the rest unchanged."""
         size = (self.size, self.size)
         image = load_image_tensor(
             io.BytesIO(raw["image"]),
@@ -303,14 +304,20 @@ class ShardStream(torch.utils.data.IterableDataset):
             samples = shuffle_buffer(samples, self.shuffle_buffer, rng)
         for _ in range(skip * self.batch_size):  # resume: skipped without decoding
             next(samples)
-        yield from self._batches(samples, quota - skip, counts)
+        for number in range(skip, quota):
+            # Decoding draws (flips, crops, class prompts) from streams seeded by the batch's
+            # place in this slot's stream: a resumed stream, which skips batches undecoded,
+            # still decodes the rest as the uninterrupted one did.
+            with seeded((self.seed, epoch, slot, number)):
+                batch = self._batch(samples, counts)
+            yield batch
         if counts:
             logger.info("rank %d worker %d epoch %d: %s", self.rank, worker, epoch, dict(counts))
 
-    def _batches(self, samples, count: int, counts: Counter):
-        """`count` batches of decoded samples; undecodable ones are dropped and named once."""
+    def _batch(self, samples, counts: Counter) -> dict:
+        """One batch of decoded samples; undecodable ones are dropped and named once."""
         batch, fresh_failures = [], 0
-        while count > 0:
+        while len(batch) < self.batch_size:
             raw = next(samples)
             try:
                 batch.append(self._item(raw))
@@ -326,9 +333,7 @@ class ShardStream(torch.utils.data.IterableDataset):
             fresh_failures = 0
             if raw["caption"] is None and self.prompts is None:
                 counts["no caption (trained with '')"] += 1
-            if len(batch) == self.batch_size:
-                yield default_collate(batch)
-                batch, count = [], count - 1
+        return default_collate(batch)
 
 
 def expand_urls(urls) -> list[str]:

@@ -32,6 +32,7 @@ def test_default_set_names_and_opt_ins(tmp_path):
         "best_checkpoint",
         "learning_rate_logger",
         "epoch_stats",
+        "rng_state",
         "nan_guard",
     } == set(with_val)
     assert "best_checkpoint" not in default_callback_configs(run, has_validation=False)

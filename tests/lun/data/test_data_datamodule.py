@@ -1,18 +1,15 @@
 """lun.data.DataModule: built from config as the launcher does, seeded workers, exact resume."""
 
 import logging
-import random
 from types import SimpleNamespace
 
 import lightning as L
-import numpy as np
 import pytest
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import OmegaConf
 
 from ldm.util import instantiate_from_config
-from lun.data.datamodule import seed_worker
 
 
 def _config(root, **params):
@@ -81,18 +78,6 @@ def test_bucketed_batches_hold_one_bucket(tmp_path, writers):
     datamodule.setup("fit")
     shapes = [tuple(b["image"].shape) for b in datamodule.train_dataloader()]
     assert sorted(shapes) == [(2, 3, 24, 40)] * 2 + [(2, 3, 32, 32)] + [(2, 3, 40, 24)] * 2
-
-
-def test_worker_seeds_differ_per_worker_and_rank_and_repeat():
-    def draws(worker, rank):
-        torch.manual_seed(1234 + worker)  # what a DataLoader worker starts from: base seed + id
-        seed_worker(worker, rank)
-        return random.random(), float(np.random.rand()), float(torch.rand(()))
-
-    table = {(w, r): draws(w, r) for w in range(2) for r in range(2)}
-    for generator in range(3):  # random, numpy and torch each differ in every (worker, rank)
-        assert len({values[generator] for values in table.values()}) == 4
-    assert draws(1, 1) == table[(1, 1)]
 
 
 def test_ddp_without_disabling_lightnings_sampler_injection_is_a_clear_error(flat_folder):

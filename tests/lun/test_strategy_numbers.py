@@ -1,0 +1,181 @@
+"""The 2-process strategies compute the numbers of one process: after STEPS optimizer steps of
+DDP, FSDP and DeepSpeed ZeRO-2/3 on CPU, the weights equal a single-process run on the same global
+batches, and the EMA (decay above 0, no warm-up) equals the average computed by hand.
+
+Both sides see the same samples with the same timesteps and noise (`strategy_checks.FixedDraws`):
+rank r of 2 trains on samples 4s + 2r and 4s + 2r + 1 of step s, the single process on all 4.
+Plain SGD, so the update is -lr x gradient and a wrong gradient average (a loss divided twice, a
+missing all-reduce) shows in full. Also the script that the 2 processes run:
+
+    torchrun --nproc-per-node 2 tests/lun/test_strategy_numbers.py OUT_DIR ddp fsdp ...
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from strategy_checks import FixedDraws, tiny_model
+from torch.testing import assert_close
+from torch.utils.data import DataLoader
+
+import ldm.diffusion
+from ldm.checkpoint import ema_key
+from lun.callbacks.ema import EMA
+
+STEPS = 3
+GLOBAL_BATCH = 4
+DECAY = 0.6
+
+
+def samples_of(rank: int, world_size: int) -> list[int]:
+    """The sample indices rank `rank` trains on, in order (its share of every global batch)."""
+    per_rank = GLOBAL_BATCH // world_size
+    return [
+        step * GLOBAL_BATCH + rank * per_rank + i for step in range(STEPS) for i in range(per_rank)
+    ]
+
+
+def train(strategy, devices: int, rank: int = 0, callbacks=()) -> pl.Trainer:
+    """STEPS steps of the tiny LDM (SGD) with an EMA, on this rank's share of the samples."""
+    generator = torch.Generator().manual_seed(1)
+    count = STEPS * GLOBAL_BATCH
+    latents = torch.randn(count, 4, 8, 8, generator=generator)
+    t = torch.randint(0, 1000, (count,), generator=generator)
+    noise = torch.randn(count, 4, 8, 8, generator=generator)
+    mine = samples_of(rank, devices)
+    items = [{"latent": latents[i], "caption": f"shape number {i}"} for i in mine]
+    loader = DataLoader(items, batch_size=GLOBAL_BATCH // devices, shuffle=False)
+    model = tiny_model()
+    ema = EMA(decay=DECAY, warmup="none", update_every=1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=STEPS,
+        use_distributed_sampler=False,  # each rank's loader already holds its share
+        callbacks=[ema, *callbacks],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    original_torch, ldm.diffusion.torch = ldm.diffusion.torch, FixedDraws(t[mine], noise[mine])
+    try:
+        trainer.fit(model, loader)
+    finally:
+        ldm.diffusion.torch = original_torch
+    return trainer
+
+
+class WeightsPerStep(pl.Callback):
+    """The UNet weights before training and after every optimizer step."""
+
+    def __init__(self):
+        self.weights = []
+
+    def _record(self, pl_module):
+        named = pl_module.model.named_parameters()
+        self.weights.append({n: p.detach().clone() for n, p in named if p.requires_grad})
+
+    def on_train_start(self, trainer, pl_module):
+        self._record(pl_module)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self._record(pl_module)
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """(weights before and after each step, the trainer) of one process on the global batches."""
+    recorder = WeightsPerStep()
+    trainer = train("auto", devices=1, callbacks=[recorder])
+    return recorder.weights, trainer
+
+
+def hand_ema(weights: list[dict]) -> dict[str, torch.Tensor]:
+    """ema_0 = w_0, ema_s = DECAY ema_{s-1} + (1 - DECAY) w_s; written out as the sum
+    DECAY^S w_0 + sum_s (1 - DECAY) DECAY^(S - s) w_s, in float64."""
+    last = len(weights) - 1
+    return {
+        name: DECAY**last * weights[0][name].double()
+        + sum(
+            (1 - DECAY) * DECAY ** (last - s) * weights[s][name].double()
+            for s in range(1, last + 1)
+        )
+        for name in weights[0]
+    }
+
+
+def test_single_process_ema_is_the_hand_computed_average(single_process):
+    weights, trainer = single_process
+    assert len(weights) == STEPS + 1
+    assert any(not torch.equal(weights[-1][n], weights[0][n]) for n in weights[0])  # it trained
+    ema = next(cb for cb in trainer.callbacks if isinstance(cb, EMA))
+    assert ema.num_updates == STEPS
+    expected = hand_ema(weights)
+    for name, average in expected.items():
+        assert_close(ema.shadows[name].double(), average, rtol=1e-5, atol=1e-7)
+    # The average is neither the last weights nor the first: the decay really weighs them.
+    name = next(iter(expected))
+    assert not torch.allclose(ema.shadows[name], weights[-1][name])
+
+
+STRATEGIES = ("ddp", "fsdp", "deepspeed_stage_2", "deepspeed_stage_3")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> Path:
+    """A folder with `<strategy>.ckpt` after STEPS steps of 2 processes under each strategy.
+
+    One torchrun launch runs them all in turn (the process group is made once and reused):
+    starting 2 processes costs more than their 3 steps.
+    """
+    out = tmp_path_factory.mktemp("two_processes")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), __file__, str(out), *STRATEGIES]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_processes_make_the_single_process_steps_and_average(
+    two_processes, single_process, strategy
+):
+    import lun.strategies
+
+    saved = lun.strategies.load_training_checkpoint(two_processes / f"{strategy}.ckpt")
+    assert saved["global_step"] == STEPS
+    state = saved["state_dict"]
+    weights, _ = single_process
+    expected_ema = hand_ema(weights)
+    for name, value in weights[-1].items():
+        assert_close(state["model." + name].float(), value, rtol=1e-4, atol=1e-6)
+        assert_close(state[ema_key(name)].double(), expected_ema[name], rtol=1e-4, atol=1e-6)
+    assert int(state["model_ema.num_updates"]) == STEPS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(out: str, *strategy_names: str) -> None:
+    """One of the 2 processes torchrun starts: each strategy in turn, a checkpoint after each."""
+    from lun.strategies import build_strategy
+
+    rank = int(os.environ["RANK"])
+    for name in strategy_names:
+        trainer = train(build_strategy(name), devices=2, rank=rank)
+        trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))  # every rank takes part
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
