@@ -1,11 +1,17 @@
 """The launcher end to end: config errors, run folder, resume, crash and signal checkpoints."""
 
+import importlib.util
+import inspect
+import logging
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from run_helpers import ROOT, run_main
+
+from lun.data import DataModule
 
 
 def data_root(shapes_dir):
@@ -140,3 +146,132 @@ def test_sigusr1_saves_last_and_training_goes_on(tmp_path, tiny_config, shapes_d
         load(checkpoints / "last.ckpt")["global_step"] == 1
     )  # written at the signal, not at the end
     assert not (checkpoints / "on_exception.ckpt").exists()
+
+
+# --- --scale_lr: the learning rate the model is built with --------------------------------------
+
+
+def load_main():
+    """main.py as a module, to run the launcher in this process and look at what it built."""
+    spec = importlib.util.spec_from_file_location("lun_main", ROOT / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def launch_in_process(monkeypatch, tmp_path):
+    """main.main(argv) with Trainer.fit stubbed: returns (exit status, the model fit was given,
+    the learning rate of the optimizer that model builds)."""
+    from lightning.pytorch import Trainer
+
+    seen = {}
+
+    def fit(trainer, model, *args, **kwargs):
+        optimizer = model.configure_optimizers()
+        optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+        seen.update(model=model, optimizer_lr=optimizer.param_groups[0]["lr"])
+
+    monkeypatch.setattr(Trainer, "fit", fit)
+    for name in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):  # seed_everything's; restored afterwards
+        monkeypatch.delenv(name, raising=False)
+    loggers = [logging.getLogger(name) for name in ("ldm", "lun")]
+    saved = [(log, list(log.handlers), log.level) for log in loggers]
+    main = load_main()
+
+    def launch(config: Path, *args: str):
+        status = main.main(["--base", str(config), *args, "-l", str(tmp_path / "logs"), "-t"])
+        return status, seen.get("model"), seen.get("optimizer_lr")
+
+    yield launch
+    for log, handlers, level in saved:  # main adds its handler on every call
+        log.handlers[:] = handlers
+        log.setLevel(level)
+
+
+def tiny_with_batch_sizes(tmp_path: Path, tiny_config: Path, top, train) -> Path:
+    """The tiny config with `data.params.batch_size` = top and `data.params.train.batch_size` =
+    train (None: not set at all)."""
+    cfg = OmegaConf.load(tiny_config)
+    del cfg.data.params["batch_size"]
+    if top is not None:
+        cfg.data.params.batch_size = top
+    if train is not None:
+        cfg.data.params.train.batch_size = train
+    path = tmp_path / "batch.yaml"
+    OmegaConf.save(cfg, path)
+    return path
+
+
+DATAMODULE_DEFAULT_BATCH = inspect.signature(DataModule).parameters["batch_size"].default
+
+
+@pytest.mark.parametrize(
+    "top, train, batch",
+    [
+        (None, 3, 3),  # only the split's own batch size
+        (2, None, 2),  # the default of every split
+        (2, 3, 3),  # the split's own wins over the default
+        (None, None, DATAMODULE_DEFAULT_BATCH),  # neither: the DataModule's default
+    ],
+    ids=["split", "default", "split_over_default", "datamodule_default"],
+)
+def test_scale_lr_multiplies_by_the_train_batch_size(
+    tmp_path, tiny_config, shapes_dir, launch_in_process, capsys, top, train, batch
+):
+    config = tiny_with_batch_sizes(tmp_path, tiny_config, top, train)
+    base_lr = OmegaConf.load(tiny_config).model.base_learning_rate
+    status, model, optimizer_lr = launch_in_process(
+        config,
+        data_root(shapes_dir),
+        "--scale_lr",
+        "lightning.trainer.accumulate_grad_batches=2",
+        "lightning.trainer.devices=2",
+        "lightning.trainer.num_nodes=3",
+    )
+    assert status == 0, capsys.readouterr().err[-3000:]
+    expected = 2 * 2 * 3 * batch * base_lr  # accumulate x devices x nodes x batch x base
+    assert model.learning_rate == pytest.approx(expected, rel=1e-12)
+    assert optimizer_lr == pytest.approx(expected, rel=1e-12)  # what the optimizer steps with
+    assert f"{batch} (batch size)" in capsys.readouterr().out
+
+
+def test_without_scale_lr_the_model_gets_base_learning_rate(
+    tmp_path, tiny_config, shapes_dir, launch_in_process
+):
+    status, model, optimizer_lr = launch_in_process(
+        tiny_config,
+        data_root(shapes_dir),
+        "model.base_learning_rate=3.0e-5",
+        "lightning.trainer.devices=2",
+    )
+    assert status == 0
+    assert model.learning_rate == optimizer_lr == 3.0e-5
+
+
+@pytest.mark.parametrize(
+    "base_lr, message",
+    [
+        ("absent", "--scale_lr needs model.base_learning_rate"),
+        (None, "--scale_lr needs model.base_learning_rate"),  # null means unset
+        (-1.0e-4, "model.base_learning_rate: -0.0001 is not a positive number"),
+        ("fast", "model.base_learning_rate: 'fast' is not a positive number"),
+    ],
+    ids=["absent", "null", "negative", "string"],
+)
+def test_scale_lr_without_a_usable_base_learning_rate_is_a_config_error(
+    tmp_path, tiny_config, shapes_dir, launch_in_process, capsys, base_lr, message
+):
+    cfg = OmegaConf.load(tiny_config)
+    if base_lr == "absent":
+        del cfg.model["base_learning_rate"]
+    else:
+        cfg.model.base_learning_rate = base_lr
+    config = tmp_path / "base-lr.yaml"
+    OmegaConf.save(cfg, config)
+    status, model, _ = launch_in_process(config, data_root(shapes_dir), "--scale_lr")
+    assert status == 2 and model is None
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("config error")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err

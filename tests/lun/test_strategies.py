@@ -205,7 +205,20 @@ def training_args(shapes_dir: Path, logs: Path) -> list[str]:
         "model.params.use_ema=true",
         # decay 0: the average is the weights, so it must equal the merged weights
         "lightning.callbacks.ema.params={decay: 0.0, warmup: none}",
+        # The text encoder trains too, as in configs/demo/shapes.yaml: its weights must survive
+        # every strategy's save (FSDP once asserted on a frozen encoder's missing token_embedding).
+        "model.params.cond_stage_trainable=true",
     ]
+
+
+TEXT_ENCODER = "cond_stage_model.transformer.text_model."
+
+
+def check_written(run: Path, step: int) -> None:
+    """The run's last.ckpt (a file or a strategy's folder) holds `step` and the text encoder."""
+    saved = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert saved["global_step"] == step
+    assert any(k.startswith(TEXT_ENCODER + "encoder.layers.") for k in saved["state_dict"])
 
 
 def check_resumed_and_export(
@@ -238,11 +251,17 @@ def check_resumed_and_export(
     seed_everything(23)  # main.py's default seed: the weights the run started from
     start = instantiate_from_config(to_container(merge_configs([TINY]))["model"]).state_dict()
     assert exported.keys() == start.keys()  # original layout, weights only
-    assert any(k.startswith("cond_stage_model.transformer.text_model.") for k in exported)
+    text_encoder = [k for k in exported if k.startswith(TEXT_ENCODER)]
+    assert any(k.startswith(TEXT_ENCODER + "embeddings.token_embedding.") for k in text_encoder)
     for key, value in exported.items():
-        if key.startswith(("first_stage_model.", "cond_stage_model.")):  # frozen: exact, float32
-            assert value.dtype == torch.float32 and torch.equal(value, start[key]), key
+        if key.startswith(("first_stage_model.", "cond_stage_model.")):
+            assert value.dtype == torch.float32, key
+        if key.startswith("first_stage_model."):  # frozen: exact
+            assert torch.equal(value, start[key]), key
     assert any(not torch.equal(exported["model." + n], start["model." + n]) for n in unet)
+    # trained (cond_stage_trainable), and saved as trained
+    assert any(not torch.equal(exported[k], start[k]) for k in text_encoder)
+    assert all(torch.equal(exported[k], state[k].float()) for k in text_encoder)
     load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
 
 
@@ -272,6 +291,7 @@ def test_two_processes_train_resume_and_export_one_file(
     first = run_main(args, cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     (run,) = logs.iterdir()
+    check_written(run, step=2)
     # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
     # averages those. FSDP's and DDP's mixed precision keep float32 weights.
     ema_exact = not (preset.startswith("deepspeed") and "16" in precision)
@@ -335,7 +355,7 @@ def test_ddp_on_two_nodes_under_torchrun_then_resume_and_export(tmp_path, shapes
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
-    assert torch.load(runs[0] / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 2
+    check_written(runs[0], step=2)
     check_resumed_and_export(
         tmp_path, runs[0], "lightning.trainer.num_nodes=1", "lightning.trainer.devices=2"
     )

@@ -1,0 +1,238 @@
+"""Every shipped YAML under configs/ is built and trained for 2 steps through the launcher.
+
+The list is a glob, so a new config is covered the day it is added. Each one runs at toy size:
+- model configs of Stable Diffusion size (the v1/v2 fine-tuning and inference configs) get a
+  tiny-model override set, derived from the parts they name (UNet, VAE, CLIP or OpenCLIP);
+- a config with a `ckpt_path` starts from a tiny checkpoint in the original layout saved first;
+- a config without a `data` section (the original inference configs) is merged with the `data`
+  and `lightning` sections of configs/tiny/ldm.yaml;
+- a config with only a `lightning` section (a strategy preset) is merged after configs/tiny/ldm.yaml
+  and runs in one CPU process (tests/lun/test_strategies.py runs them with 2).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import DictConfig, OmegaConf
+from run_helpers import ROOT, run_main
+
+from ldm.checkpoint import load_weights, save_safetensors
+from ldm.util import instantiate_from_config
+from lun.config import check_complete, merge_configs, to_container
+from lun.strategies import load_training_checkpoint
+
+TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
+CONFIGS = sorted((ROOT / "configs").glob("**/*.yaml"))
+# A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
+TINY_WIDTH = 32
+
+
+def config_id(path: Path) -> str:
+    return path.relative_to(ROOT / "configs").as_posix()
+
+
+def test_the_glob_finds_the_shipped_configs():
+    names = {config_id(p) for p in CONFIGS}
+    assert {
+        "tiny/ldm.yaml",
+        "demo/shapes.yaml",
+        "stable-diffusion/v1-inference.yaml",
+        "stable-diffusion/v2-inference-v.yaml",
+        "stable-diffusion/v1-finetune.yaml",
+        "lightning/fsdp.yaml",
+    } <= names
+
+
+# --- tiny overrides, from the parts a config names -----------------------------------------------
+
+
+def part(params: DictConfig, *names: str) -> tuple[str, DictConfig]:
+    """(dotted key, config) of the first of `names` (original or our spelling) in `params`."""
+    for name in names:
+        if name in params:
+            return f"model.params.{name}", params[name]
+    raise AssertionError(f"model.params has none of {names}")
+
+
+def tiny_model_overrides(model: DictConfig) -> list[str]:
+    """Dotlist overrides that shrink a Stable Diffusion-size model to toy width (32 px images),
+    or [] for a model that is already small. A part this function does not know is a failure
+    that says where to teach it."""
+    params = model.params
+    unet_key, unet = part(params, "unet_config", "backbone_config")
+    if unet.params.model_channels <= TINY_WIDTH:
+        return []
+    vae_key, vae = part(params, "first_stage_config")
+    text_key, text = part(params, "cond_stage_config", "conditioner_config")
+    heads = (
+        "num_head_channels=16"
+        if unet.params.get("num_head_channels", -1) != -1
+        else "num_heads=2"  # SD 1: a head count
+    )
+    overrides = [
+        f"{unet_key}.params.model_channels={TINY_WIDTH}",
+        f"{unet_key}.params.channel_mult=[1,2]",
+        f"{unet_key}.params.num_res_blocks=1",
+        f"{unet_key}.params.attention_resolutions=[1,2]",
+        f"{unet_key}.params.context_dim=32",
+        f"{unet_key}.params.{heads}",
+        "model.params.image_size=16",  # latent side of 32 px images with the 2-level VAE below
+    ]
+    if vae.target.endswith("AutoencoderKL"):
+        overrides += [
+            f"{vae_key}.params.ddconfig.ch=32",
+            f"{vae_key}.params.ddconfig.ch_mult=[1,2]",
+            f"{vae_key}.params.ddconfig.num_res_blocks=1",
+            f"{vae_key}.params.ddconfig.resolution=32",
+        ]
+    elif not vae.target.endswith("IdentityFirstStage"):
+        pytest.fail(f"no tiny override for the first stage {vae.target}: add one here")
+    if text.target.endswith(".FrozenCLIPEmbedder"):
+        overrides.append(
+            f"{text_key}.params.config={{hidden_size: 32, intermediate_size: 64, "
+            "num_hidden_layers: 2, num_attention_heads: 2}"
+        )
+    elif text.target.endswith(".FrozenOpenCLIPEmbedder"):
+        overrides += [
+            f"{text_key}.params.{name}={value}"
+            for name, value in (("width", 32), ("layers", 2), ("heads", 2), ("embed_dim", 32))
+        ]
+    else:
+        pytest.fail(f"no tiny override for the text encoder {text.target}: add one here")
+    return overrides
+
+
+def tiny_data_and_trainer(tmp_path: Path) -> Path:
+    """configs/tiny/ldm.yaml without its model: the data and lightning sections, as a file."""
+    tiny = OmegaConf.load(TINY)
+    path = tmp_path / "tiny-data.yaml"
+    OmegaConf.save({"data": tiny.data, "lightning": tiny.lightning}, path)
+    return path
+
+
+def save_tiny_checkpoint(bases: list, overrides: list[str], path: Path) -> dict:
+    """Build the model the run will build, with other random weights, and save it in the
+    original layout: the run must start from these (ckpt_path), not from its own init."""
+    cfg = merge_configs(bases, [*overrides, "model.params.ckpt_path=null"])
+    check_complete(cfg)
+    torch.manual_seed(1)  # the launcher seeds 23: different weights unless the file is loaded
+    state = instantiate_from_config(to_container(cfg)["model"]).state_dict()
+    save_safetensors(state, path)
+    return state
+
+
+def is_inference_config(config: Path) -> bool:
+    """A model without data (the original v1/v2 inference configs)."""
+    own = OmegaConf.load(config)
+    return "model" in own and "data" not in own
+
+
+def launcher_args(config: Path, tmp_path: Path, shapes_dir: Path) -> tuple[list, list[str]]:
+    """The --base files and the overrides that make `config` a 2-step toy run on CPU."""
+    own = OmegaConf.load(config)
+    if "model" not in own:  # a strategy preset: merged after a model config
+        assert set(own) == {"lightning"}, f"{config}: neither a model config nor a preset"
+        bases = [TINY, config]
+    elif is_inference_config(config):  # give it data and a trainer
+        bases = [config, tiny_data_and_trainer(tmp_path)]
+    else:
+        bases = [config]
+    merged = merge_configs(bases)
+    train = merged.data.params.train
+    assert train.target == "lun.data.local.Local", f"{config}: teach this test {train.target}"
+    overrides = tiny_model_overrides(merged.model)
+    if overrides:
+        overrides.append("data.params.train.params.size=32")
+    overrides += [
+        f"data.params.train.params.data_root={shapes_dir}",
+        "data.params.batch_size=2",
+        "data.params.num_workers=0",
+        "lightning.trainer.accelerator=cpu",
+        "lightning.trainer.devices=1",
+        "lightning.trainer.max_steps=2",
+    ]
+    return bases, overrides
+
+
+# --- every config, 2 steps ---------------------------------------------------------------------
+
+# Production bugs a shipped config runs into, by config: the overrides that step around the bug
+# (so the rest of the config stays covered), the bug, and a line of the error it causes.
+# test_known_bugs_still_fail runs the first config of each bug as shipped, strictly expected to
+# fail with that error: once the bug is fixed it says so, and the entries go.
+FUSED_ADAMW_CLIP = (
+    ["model.params.optimizer_config={target: adamw, params: {fused: false}}"],
+    "production bug: bf16-mixed + gradient_clip_val with the default (fused) AdamW: Lightning "
+    "refuses at the first step",
+    "does not allow for gradient clipping because it performs unscaling of gradients internally",
+)
+KNOWN_BUGS = {
+    "stable-diffusion/v1-finetune.yaml": FUSED_ADAMW_CLIP,
+    "stable-diffusion/v2-finetune.yaml": FUSED_ADAMW_CLIP,
+}
+
+
+class KnownBug(Exception):
+    """The run failed with the error of its KNOWN_BUGS entry (any other failure is a failure)."""
+
+
+def train_two_steps(config: Path, tmp_path: Path, shapes_dir: Path, extra: list[str]):
+    """Run the launcher on `config` at toy size; (its result, the run's logs, start weights)."""
+    bases, overrides = launcher_args(config, tmp_path, shapes_dir)
+    start = None
+    if "ckpt_path" in merge_configs(bases).model.params.keys():  # `in` alone skips `???`
+        weights = tmp_path / "start.safetensors"
+        start = save_tiny_checkpoint(bases, overrides, weights)
+        overrides.append(f"model.params.ckpt_path={weights}")
+
+    logs = tmp_path / "logs"
+    # One thread: the toy models gain nothing from two, and the 2 cores are shared.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = ["--base", *map(str, bases), *overrides, *extra, "-l", str(logs), "-t"]
+    return run_main(args, cwd=tmp_path, env=env), logs, start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_every_config_trains_two_steps_through_the_launcher(config, tmp_path, shapes_dir):
+    workaround = KNOWN_BUGS.get(config_id(config), ([],))[0]
+    result, logs, start = train_two_steps(config, tmp_path, shapes_dir, workaround)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    (run,) = logs.iterdir()
+    trained = load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert trained["global_step"] == 2
+    state = trained["state_dict"]
+    backbone = [k for k in state if k.startswith("model.diffusion_model.")]
+    assert backbone and any(k.startswith("cond_stage_model.") for k in state)
+    if start is not None:  # the run started from the tiny checkpoint and trained its UNet
+        vae = [k for k in start if k.startswith("first_stage_model.")]
+        assert vae and all(torch.equal(state[k], start[k]) for k in vae)  # frozen: as loaded
+        assert any(not torch.equal(state[k].float(), start[k].float()) for k in backbone)
+    if is_inference_config(config):  # what it is for: sampling, here from the trained weights
+        (saved,) = (run / "configs").glob("*-project.yaml")
+        model = instantiate_from_config(to_container(merge_configs([saved]))["model"])
+        load_weights(model, run / "checkpoints" / "last.ckpt")
+        generator = torch.Generator().manual_seed(0)
+        images = model.eval().sample(
+            ["a red circle"], steps=1, height=32, width=32, generator=generator
+        )
+        assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=KnownBug, reason=bug))
+        for bug, name in {bug: name for name, (_, bug, _) in reversed(KNOWN_BUGS.items())}.items()
+    ],
+)
+def test_known_bugs_still_fail(name, tmp_path, shapes_dir):
+    result, _, _ = train_two_steps(ROOT / "configs" / name, tmp_path, shapes_dir, [])
+    error = KNOWN_BUGS[name][2]
+    if result.returncode != 0 and error in result.stderr:
+        raise KnownBug(error)
+    assert result.returncode == 0, result.stderr[-3000:]
