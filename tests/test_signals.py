@@ -24,19 +24,22 @@ TESTS = str(ROOT / "tests")
 
 class SendSignal(Callback):
     """At the end of the batch of step `at_step` send this process `signal_name`; at the start of
-    training write the step it starts from to `record_start_to`, or fail (`fail_at_start`)."""
+    training write the step it starts from to `record_start_to`; `fail_in_setup`: fail in set-up,
+    before the checkpoint is restored."""
 
     def __init__(
-        self, at_step=None, signal_name="SIGINT", record_start_to=None, fail_at_start=False
+        self, at_step=None, signal_name="SIGINT", record_start_to=None, fail_in_setup=False
     ):
         self.at_step, self.signum = at_step, getattr(signal, signal_name)
-        self.record_start_to, self.fail_at_start = record_start_to, fail_at_start
+        self.record_start_to, self.fail_in_setup = record_start_to, fail_in_setup
+
+    def setup(self, trainer, pl_module, stage):
+        if self.fail_in_setup:
+            raise RuntimeError("injected failure before the first step")
 
     def on_train_start(self, trainer, pl_module):
         if self.record_start_to:
             Path(self.record_start_to).write_text(str(trainer.global_step))
-        if self.fail_at_start:
-            raise RuntimeError("injected failure before the first step")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.at_step:
@@ -125,7 +128,7 @@ def test_ctrl_c_after_the_last_periodic_save_resumes_from_on_exception(
     assert step_of(checkpoints / "on_exception.ckpt") == 3
 
     # A resume that fails before its first step leaves that checkpoint as it was.
-    params = "lightning.callbacks.fault.params={at_step: null, fail_at_start: true}"
+    params = "lightning.callbacks.fault.params={at_step: null, fail_in_setup: true}"
     failed = launch(["-r", str(run), "-t", params], tmp_path)
     assert failed.returncode == 1, failed.stderr[-3000:]
     assert "injected failure before the first step" in failed.stderr
@@ -133,7 +136,7 @@ def test_ctrl_c_after_the_last_periodic_save_resumes_from_on_exception(
 
     started = tmp_path / "started_at"
     params = (
-        f"lightning.callbacks.fault.params={{fail_at_start: false, record_start_to: {started}}}"
+        f"lightning.callbacks.fault.params={{fail_in_setup: false, record_start_to: {started}}}"
     )
     resumed = launch(["-r", str(run), "-t", params], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
