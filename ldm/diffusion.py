@@ -310,9 +310,23 @@ class LatentDiffusion(pl.LightningModule):
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
         params += [p for p in self.conditioner.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, self.learning_rate, self.optimizer_config)
+        optimizer = build_optimizer(
+            params, self.learning_rate, self.optimizer_config, fuse=not self._clips_under_amp()
+        )
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
+
+    def _clips_under_amp(self) -> bool:
+        """Lightning's mixed-precision plugin clips gradients itself and refuses an optimizer
+        that unscales them internally (a fused one): with clipping, AdamW is not fused."""
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        trainer = self._trainer
+        return (
+            trainer is not None
+            and bool(trainer.gradient_clip_val)
+            and isinstance(trainer.precision_plugin, MixedPrecision)
+        )
 
     # --- generation --------------------------------------------------------------------------
     @torch.no_grad()

@@ -158,25 +158,6 @@ def launcher_args(config: Path, tmp_path: Path, shapes_dir: Path) -> tuple[list,
 
 # --- every config, 2 steps ---------------------------------------------------------------------
 
-# Production bugs a shipped config runs into, by config: the overrides that step around the bug
-# (so the rest of the config stays covered), the bug, and a line of the error it causes.
-# test_known_bugs_still_fail runs the first config of each bug as shipped, strictly expected to
-# fail with that error: once the bug is fixed it says so, and the entries go.
-FUSED_ADAMW_CLIP = (
-    ["model.params.optimizer_config={target: adamw, params: {fused: false}}"],
-    "production bug: bf16-mixed + gradient_clip_val with the default (fused) AdamW: Lightning "
-    "refuses at the first step",
-    "does not allow for gradient clipping because it performs unscaling of gradients internally",
-)
-KNOWN_BUGS = {
-    "stable-diffusion/v1-finetune.yaml": FUSED_ADAMW_CLIP,
-    "stable-diffusion/v2-finetune.yaml": FUSED_ADAMW_CLIP,
-}
-
-
-class KnownBug(Exception):
-    """The run failed with the error of its KNOWN_BUGS entry (any other failure is a failure)."""
-
 
 def train_two_steps(config: Path, tmp_path: Path, shapes_dir: Path, extra: list[str]):
     """Run the launcher on `config` at toy size; (its result, the run's logs, start weights)."""
@@ -197,8 +178,7 @@ def train_two_steps(config: Path, tmp_path: Path, shapes_dir: Path, extra: list[
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
 def test_every_config_trains_two_steps_through_the_launcher(config, tmp_path, shapes_dir):
-    workaround = KNOWN_BUGS.get(config_id(config), ([],))[0]
-    result, logs, start = train_two_steps(config, tmp_path, shapes_dir, workaround)
+    result, logs, start = train_two_steps(config, tmp_path, shapes_dir, [])
     assert result.returncode == 0, result.stderr[-3000:]
 
     (run,) = logs.iterdir()
@@ -220,19 +200,3 @@ def test_every_config_trains_two_steps_through_the_launcher(config, tmp_path, sh
             ["a red circle"], steps=1, height=32, width=32, generator=generator
         )
         assert images.shape == (1, 3, 32, 32) and torch.isfinite(images).all()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(name, marks=pytest.mark.xfail(strict=True, raises=KnownBug, reason=bug))
-        for bug, name in {bug: name for name, (_, bug, _) in reversed(KNOWN_BUGS.items())}.items()
-    ],
-)
-def test_known_bugs_still_fail(name, tmp_path, shapes_dir):
-    result, _, _ = train_two_steps(ROOT / "configs" / name, tmp_path, shapes_dir, [])
-    error = KNOWN_BUGS[name][2]
-    if result.returncode != 0 and error in result.stderr:
-        raise KnownBug(error)
-    assert result.returncode == 0, result.stderr[-3000:]

@@ -83,3 +83,23 @@ def test_parameters_without_a_fused_kernel_fall_back_to_the_default_adamw():
     fused.grad, complex_valued.grad = torch.ones(2), torch.ones(2, dtype=torch.complex64)
     optimizer.step()
     assert (fused < 0).all() and (complex_valued.real < 0).all()
+
+
+@pytest.mark.parametrize(
+    "clip, precision, fused",
+    [(1.0, "bf16-mixed", None), (0.0, "bf16-mixed", True), (1.0, "32-true", True)],
+)
+def test_adamw_is_not_fused_where_lightning_clips_under_mixed_precision(
+    tiny_config, clip, precision, fused
+):
+    """Lightning's mixed-precision plugin refuses to clip for an optimizer that unscales itself."""
+    from lightning.pytorch import Trainer
+
+    from ldm.util import instantiate_from_config
+    from lun.config import merge_configs, to_container
+
+    model = instantiate_from_config(to_container(merge_configs([tiny_config]))["model"])
+    trainer = Trainer(accelerator="cpu", gradient_clip_val=clip, precision=precision, logger=False)
+    model.trainer = trainer
+    optimizer = model.configure_optimizers()
+    assert optimizer.defaults["fused"] is fused
