@@ -203,9 +203,10 @@ class DataModule(L.LightningDataModule):
             "num_workers": settings["num_workers"],
             "persistent_workers": settings["persistent_workers"],
             "pin_memory": settings["pin_memory"],
-            # Each iterator draws its workers' base seed from this generator; by default it is
-            # torch's global one, which the training step draws from: a resume, which starts an
-            # iterator mid-epoch, would shift the training's noise by one draw.
+            # Each epoch's iterator draws its workers' base seed from this generator. By default
+            # it is torch's global one, which the training step draws from; a run resumed at an
+            # epoch's end starts the next epoch's iterator before its streams are restored, and
+            # would then miss the draw that the uninterrupted run made.
             "generator": torch.Generator().manual_seed(seed),
         }
         if isinstance(dataset, IterableDataset):
