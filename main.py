@@ -5,7 +5,9 @@ python main.py --resume logs/<run>            # continue where it stopped
 """
 
 import argparse
+import copy
 import logging
+import pickle
 import sys
 import traceback
 from pathlib import Path
@@ -38,6 +40,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         "-n", "--name", default="", help="run name (default: first config's file name)"
     )
     parser.add_argument("-r", "--resume", default="", help="run folder or .ckpt to resume from")
+    parser.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="resume from a checkpoint holding pickled code (only one you trust)",
+    )
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
     parser.add_argument("-l", "--logdir", default="logs", help="parent folder of run folders")
     parser.add_argument("-f", "--postfix", default="", help="appended to the run folder's name")
@@ -70,6 +77,9 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"config error: {err}", file=sys.stderr)
         return 2
+    except pickle.UnpicklingError as err:  # ldm.checkpoint.UnsafeCheckpointError: names the file
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except RuntimeError as err:
         from lun.callbacks.nan_guard import (
             NonFiniteLossError,  # imported here: Lightning is slow to import
@@ -82,12 +92,14 @@ def main(argv=None) -> int:
 
 
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
+    from lun.run import hold_save_signal
+
+    hold_save_signal()  # before anything slow: SIGUSR1 would kill the process until fit starts
     # Heavy imports after argument parsing, so `--help` and config errors answer at once.
     from lightning.pytorch import seed_everything
 
-    from ldm.util import TargetError, instantiate_from_config
     from lun.run import is_rank_zero, new_run_dir, resume_target, saved_configs
-    from lun.trainer import build_trainer
+    from lun.trainer import build_data, build_model, build_trainer
 
     unknown = [a for a in dotlist if a.startswith("-")]
     if unknown:
@@ -95,6 +107,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     ckpt_path = None
     if opt.resume:
         run_dir, ckpt_path = resume_target(opt.resume)
+        from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
+
+        check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
         bases = opt.base or saved_configs(run_dir)
     else:
         bases = opt.base
@@ -104,16 +119,20 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"the merged config has no '{section}' section")
+    # Saved as written, interpolations kept (check_complete resolves cfg in place): a resume
+    # with another max_steps moves what follows it (`total_steps: ${lightning.trainer.max_steps}`).
+    as_written = copy.deepcopy(cfg)
     check_complete(cfg)
     config = to_container(cfg)
     lightning_cfg = config.get("lightning") or {}
     model_params = config["model"].setdefault("params", {})
 
     seed_everything(opt.seed, workers=True)
-    # Only a config mistake (unknown target or parameter) is a config error: a TypeError raised
-    # inside a constructor is a bug and keeps its traceback.
+    # Everything is built and checked before the run folder exists. A value refused with a
+    # ValueError (unknown target or parameter, a constructor's check) is a config error; a
+    # TypeError raised inside a constructor is a bug and keeps its traceback.
     try:
-        data = instantiate_from_config(config["data"])
+        data = build_data(config["data"])  # its datasets indexed, a first image decoded
         data_params = config["data"].get("params") or {}
         # The original configs' `model.params.use_ema` switches on the EMA callback.
         use_ema = bool(model_params.get("use_ema", False))
@@ -127,17 +146,29 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
             model_params["learning_rate"] = lr
         elif opt.scale_lr:
             raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
-        model = instantiate_from_config(config["model"])
-    except TargetError as err:
-        raise ConfigError(str(err)) from None
+        model = build_model(config["model"])
+    except ValueError as err:  # what lun.trainer's builders did not already name
+        raise ConfigError(str(err).strip().splitlines()[0]) from err
 
     if is_rank_zero():
         run_dir.create()
-        run_dir.save_configs(cfg)
+        run_dir.save_configs(as_written)
         print(f"run folder: {run_dir.root}")
     if not opt.train:
         return 0
-    trainer.fit(model, datamodule=data, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    try:
+        trainer.fit(
+            model,
+            datamodule=data,
+            ckpt_path=str(ckpt_path) if ckpt_path else None,
+            weights_only=False if opt.unsafe_load else None,  # None: strategies check the pickles
+        )
+    except SystemExit as stop:  # SIGTERM or Ctrl-C, after on_exception.ckpt: 143 or 130
+        from lun.callbacks.signals import exit_status
+
+        if exit_status(stop) is None:
+            raise
+        return exit_status(stop)
     if not opt.no_test and "test" in data_params:
         trainer.test(model, datamodule=data)
     return 0
