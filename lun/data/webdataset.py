@@ -37,6 +37,7 @@ from lun.data.images import (
     check_choice,
     load_image_tensor,
 )
+from lun.data.report import decode_text
 from lun.rng import seeded
 
 logger = logging.getLogger("lun.data")
@@ -333,6 +334,8 @@ class ShardStream(torch.utils.data.IterableDataset):
             fresh_failures = 0
             if raw["caption"] is None and self.prompts is None:
                 counts["no caption (trained with '')"] += 1
+            if raw.get("caption_problem"):
+                counts[f"caption {raw['caption_problem']}"] += 1
         return default_collate(batch)
 
 
@@ -414,21 +417,17 @@ class WebDataset(ShardStream):
                         meta = json.loads(sample["json"])
                     except ValueError:
                         meta = {}
-                caption = (
-                    sample["txt"].decode("utf-8", errors="replace").strip()
-                    if "txt" in sample
-                    else None
-                )
-                cls = (
-                    sample["cls"].decode("utf-8", errors="replace").strip()
-                    if "cls" in sample
-                    else meta.get("cls")
-                )
+                # Byte-order marks and legacy encodings as for flat files; what was not clean
+                # UTF-8 is counted per epoch (`_batch`).
+                caption, problem = decode_text(sample["txt"]) if "txt" in sample else (None, None)
+                caption = caption.strip() if caption is not None else None
+                cls = decode_text(sample["cls"])[0].strip() if "cls" in sample else meta.get("cls")
                 key = f"{url}:{sample['__key__']}"
                 yield {
                     "key": key,
                     "image": image,
                     "caption": caption,
+                    "caption_problem": problem,
                     "cls": cls,
                     "meta": meta if isinstance(meta, dict) else {},
                 }

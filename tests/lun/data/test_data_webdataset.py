@@ -276,3 +276,21 @@ def test_legacy_caption_dropout_leaves_stream_captions_alone(shards, tmp_path, w
     for stream in (WebDataset, Parquet):
         with pytest.raises(TypeError, match="caption_dropout"):  # the streams no longer take it
             stream("unused", 4, caption_dropout=0.5)
+
+
+def test_stream_captions_follow_byte_order_marks_and_count_legacy_text(tmp_path, writers, caplog):
+    samples = [
+        (
+            "u16",
+            {"jpg": writers.jpeg_bytes(seed=0), "txt": "\ufeffcafé au lait".encode("utf-16-le")},
+        ),
+        ("cp", {"jpg": writers.jpeg_bytes(seed=1), "txt": "naïve".encode("cp1252")}),
+        ("u8", {"jpg": writers.jpeg_bytes(seed=2), "txt": "\ufeffplain".encode("utf-8")}),
+        ("ok", {"jpg": writers.jpeg_bytes(seed=3), "txt": "ok"}),
+    ]
+    dataset = WebDataset(str(writers.shard(tmp_path / "a.tar", samples)), 4, size=8)
+    with caplog.at_level(logging.INFO, logger="lun.data"):
+        captions = _captions(dataset, shuffle=False)
+    assert captions == ["café au lait", "naïve", "plain", "ok"]
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "'caption not UTF-8 (read as cp1252)': 1" in messages
