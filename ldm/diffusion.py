@@ -263,10 +263,23 @@ class LatentDiffusion(pl.LightningModule):
         return torch.cat(self._loss_window[0]), torch.cat(self._loss_window[1])
 
     def validation_step(self, batch, batch_idx):
+        """Logs `val/loss`, and under the original models' names `val/loss_simple` and
+        `val/loss_simple_ema`, so a `monitor:` written for either finds its key. The weights are
+        those the trainer validates: the EMA weights when an EMA callback swaps them in for
+        validation (`validate_with_ema`, its default), the raw weights otherwise - the same
+        value under all three names (ldm cannot see the callback, and a second pass with the
+        other weights would double the validation time)."""
         # A generator seeded by the batch index: the same t and noise at every validation.
         generator = torch.Generator(self.device).manual_seed(batch_idx)
         loss, per_sample, _ = self.diffusion_loss(batch, generator)
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=per_sample.shape[0])
+        for key in ("val/loss", "val/loss_simple", "val/loss_simple_ema"):
+            self.log(
+                key,
+                loss,
+                prog_bar=key == "val/loss",
+                sync_dist=True,
+                batch_size=per_sample.shape[0],
+            )
         return loss
 
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):

@@ -22,7 +22,9 @@ these adapters.
 """
 
 import argparse
+import difflib
 import importlib.util
+import inspect
 import shutil
 import uuid
 import warnings
@@ -75,14 +77,22 @@ FSDP_TARGETS = {
 CALLBACK_STATE_KEY = "lun_callback_state_dict"
 
 
-def build_strategy(strategy_cfg: str | dict) -> str | Strategy:
+def build_strategy(
+    strategy_cfg: str | dict | None, deepspeed_cfg: dict | None = None
+) -> str | Strategy:
     """`lightning.strategy` -> what `Trainer(strategy=...)` takes.
 
     A name ("ddp", "deepspeed_stage_2", "fsdp", ...) or `{target, params}`. DeepSpeed and FSDP
     names and Lightning's classes for them become the adapters of this module; other names go to
-    Lightning unchanged. Raises ImportError (naming the pip package) when DeepSpeed is asked for
-    and not installed.
+    Lightning unchanged. `deepspeed_cfg` (`lightning.deepspeed`, as translunar-diffusion writes
+    it) holds DeepSpeed arguments: they override those a name implies
+    (`deepspeed` + `{stage: 1, offload_optimizer: true}` is stage 1 with offload), and alone they
+    mean DeepSpeed. Raises ValueError when they are given with another strategy or name an
+    argument DeepSpeedStrategy lacks, ImportError (naming the pip package) when DeepSpeed is
+    asked for and not installed.
     """
+    if deepspeed_cfg:
+        return _deepspeed_from_config(strategy_cfg or "deepspeed", dict(deepspeed_cfg))
     if isinstance(strategy_cfg, str):
         if strategy_cfg in DEEPSPEED_NAMES:
             return DeepSpeedStrategy(**DEEPSPEED_NAMES[strategy_cfg])
@@ -95,6 +105,23 @@ def build_strategy(strategy_cfg: str | dict) -> str | Strategy:
     if target in FSDP_TARGETS:
         return FSDPStrategy(**params)
     return instantiate_from_config(strategy_cfg)
+
+
+def _deepspeed_from_config(strategy_cfg: str | dict, deepspeed_cfg: dict) -> Strategy:
+    if isinstance(strategy_cfg, str) and strategy_cfg in DEEPSPEED_NAMES:
+        params = dict(DEEPSPEED_NAMES[strategy_cfg])
+    elif isinstance(strategy_cfg, dict) and strategy_cfg.get("target") in DEEPSPEED_TARGETS:
+        params = dict(strategy_cfg.get("params") or {})
+    else:
+        name = strategy_cfg if isinstance(strategy_cfg, str) else strategy_cfg.get("target")
+        raise ValueError(f"set for strategy '{name}'; DeepSpeed arguments need strategy: deepspeed")
+    accepted = inspect.signature(LightningDeepSpeedStrategy.__init__).parameters
+    for name in deepspeed_cfg:
+        if name not in accepted or name == "self":
+            near = difflib.get_close_matches(name, list(accepted), n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ValueError(f"{name}: not a DeepSpeedStrategy argument{hint}")
+    return DeepSpeedStrategy(**{**params, **deepspeed_cfg})
 
 
 def _require(package: str, why: str) -> None:

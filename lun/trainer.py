@@ -9,20 +9,59 @@ checked here first.
 
 import difflib
 import inspect
+import logging
+import re
 import typing
 from typing import Any
 
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
 
 from ldm.util import get_obj_from_str, instantiate_from_config
+from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
 from lun.callbacks.signals import SignalCheckpoint
 from lun.config import ConfigError, config_errors
 from lun.data.datamodule import LOADER_KEYS, DataModule
 from lun.run import RunDir
+
+logger = logging.getLogger(__name__)
+
+# Callback targets of the original launchers (CompVis `main.py`, translunar-diffusion): the
+# class that plays the role here. `main.*` names are the launcher's, so they are mapped here and
+# not in ldm.util's table of model targets.
+LEGACY_CALLBACK_TARGETS = {
+    "main.ImageLogger": "lun.callbacks.image_logger.ImageLogger",
+    "lun.callbacks.SmoothedProgressBar": "lun.callbacks.progress.SmoothedProgressBar",
+}
+IMAGE_LOGGER = "lun.callbacks.image_logger.ImageLogger"
+CHECKPOINT = "lun.callbacks.checkpoints.Checkpoint"
+# Lightning's ModelCheckpoint defaults where our Checkpoint's differ.
+LIGHTNING_CHECKPOINT_DEFAULTS = {
+    "filename": "{epoch}-{step}",
+    "auto_insert_metric_name": True,
+    "enable_version_counter": True,
+}
+# The original ImageLogger's parameters: ours of the same meaning, or None (accepted, no effect).
+LEGACY_IMAGE_LOGGER_PARAMS = {
+    "clamp": None,  # our grids are always clamped to [-1, 1]
+    "rescale": None,  # ... and always mapped from [-1, 1] to [0, 255]
+    "check_custom_step": None,
+    "log_on_batch_idx": None,  # we count optimizer steps
+    "log_before_first_step": "log_first_step",
+}
+# The original `log_images_kwargs` (passed to the original model's `log_images`).
+LEGACY_LOG_IMAGES_KWARGS = {
+    "N": "max_images",
+    "ddim_steps": "steps",
+    "use_ema_scope": "use_ema",
+    "unconditional_guidance_scale": "scale",
+}
+# Lightning's package before 2.0; a config naming it gets the same class from `lightning`.
+OLD_LIGHTNING_PREFIX, LIGHTNING_PREFIX = "pytorch_lightning.", "lightning.pytorch."
 
 TRAINER_PARAMETERS = dict(inspect.signature(Trainer.__init__).parameters)
 TRAINER_ARGS = set(TRAINER_PARAMETERS) - {"self"}
@@ -183,54 +222,208 @@ def trainer_kwargs(lightning_cfg: dict) -> dict[str, Any]:
     kwargs.setdefault("use_distributed_sampler", False)
     # `lightning.strategy` (the presets' place) wins over `lightning.trainer.strategy`.
     strategy = lightning_cfg.get("strategy") or kwargs.get("strategy")
-    if strategy:
-        kwargs["strategy"] = _build_strategy(strategy)
+    deepspeed = lightning_cfg.get("deepspeed")
+    if deepspeed is not None and not isinstance(deepspeed, dict):
+        raise ConfigError("lightning.deepspeed: expected a mapping of DeepSpeedStrategy arguments")
+    if strategy or deepspeed:
+        kwargs["strategy"] = _build_strategy(strategy, deepspeed)
     return kwargs
 
 
-def _build_strategy(strategy_cfg):
+def _build_strategy(strategy_cfg, deepspeed_cfg: dict | None = None):
     """`lightning.strategy` is a name ('ddp') or a `{target, params}` mapping; DeepSpeed and FSDP
-    become the adapters of `lun.strategies` (which also run on CPU)."""
+    become the adapters of `lun.strategies` (which also run on CPU). `lightning.deepspeed`
+    (translunar-diffusion's place: `{stage: 1, offload_optimizer: true}`) holds the DeepSpeed
+    strategy's arguments."""
     from lun.strategies import build_strategy
 
+    key = "lightning.deepspeed" if deepspeed_cfg else "lightning.strategy"
     try:
-        with config_errors("lightning.strategy", strategy_cfg):
-            return build_strategy(strategy_cfg)
+        with config_errors(key, deepspeed_cfg or strategy_cfg):
+            return build_strategy(strategy_cfg, deepspeed_cfg)
     except ImportError as err:  # e.g. DeepSpeed asked for and not installed
         raise ConfigError(f"lightning.strategy: {err}") from None
 
 
+def _target(cfg: dict) -> str:
+    """A callback's or logger's target with the old names mapped to the classes used here."""
+    target = cfg["target"]
+    target = LEGACY_CALLBACK_TARGETS.get(target, target)
+    if target.startswith(OLD_LIGHTNING_PREFIX):
+        target = LIGHTNING_PREFIX + target[len(OLD_LIGHTNING_PREFIX) :]
+    return target
+
+
+def _class_of(key: str, target: str):
+    with config_errors(key):
+        obj = get_obj_from_str(target)
+    return obj if isinstance(obj, type) else None
+
+
+def _image_logger_params(key: str, params: dict) -> dict | None:
+    """The original ImageLogger's parameters -> ours (None: `disabled: true`, no callback).
+
+    What has a meaning here is honoured (`log_images_kwargs.N` -> `max_images`, `ddim_steps` ->
+    `steps`, `use_ema_scope` -> `use_ema`, `unconditional_guidance_scale` -> `scale`); the rest
+    is accepted with one warning line naming the key.
+    """
+    params = dict(params)
+    if params.pop("disabled", False):
+        return None
+    for name, ours in LEGACY_IMAGE_LOGGER_PARAMS.items():
+        if name not in params:
+            continue
+        value = params.pop(name)
+        if ours is None:
+            logger.warning("%s.params.%s is accepted but has no effect here", key, name)
+        else:
+            params.setdefault(ours, value)
+    kwargs = params.pop("log_images_kwargs", None) or {}
+    for name, value in kwargs.items():
+        ours = LEGACY_LOG_IMAGES_KWARGS.get(name)
+        if ours is None:
+            logger.warning(
+                "%s.params.log_images_kwargs.%s is accepted but has no effect here", key, name
+            )
+        elif ours == "max_images" and "max_images" in params:
+            params["max_images"] = min(params["max_images"], value)  # both cap the grid
+        else:
+            params[ours] = value
+    return params
+
+
+def _checkpoint_params(key: str, cls: type, params: dict, run: RunDir) -> dict:
+    """A ModelCheckpoint's params: every name checked against ModelCheckpoint's signature (ours
+    passes the rest on as **kwargs), `dirpath` the run's `checkpoints/` when not given (as in
+    the original launcher; Lightning would pick the logger's folder), and metric names with a
+    `/` auto-inserted into the file name as `val_loss=` (not a `val/` folder)."""
+    accepted = set(inspect.signature(ModelCheckpoint.__init__).parameters)
+    accepted |= set(inspect.signature(cls.__init__).parameters)
+    for name in params:
+        if name not in accepted:
+            near = difflib.get_close_matches(name, accepted - {"self", "kwargs"}, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(f"{key}.params.{name}: not a ModelCheckpoint argument{hint}")
+    params = dict(params)
+    if params.get("dirpath") is None:
+        params["dirpath"] = str(run.checkpoints)
+    insert = params.get(
+        "auto_insert_metric_name",
+        inspect.signature(cls.__init__).parameters.get("auto_insert_metric_name").default,
+    )
+    filename = params.get("filename")
+    if insert and isinstance(filename, str) and "/" in "".join(re.findall(r"\{[^}]*\}", filename)):
+        params["filename"] = re.sub(
+            r"\{([^:}]+)([^}]*)\}",
+            lambda m: f"{m.group(1).replace('/', '_')}={{{m.group(1)}{m.group(2)}}}",
+            filename,
+        )
+        params["auto_insert_metric_name"] = False
+    return params
+
+
 def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool) -> list:
-    """Default callbacks merged with `lightning.callbacks` (same name overrides, null removes)."""
+    """Default callbacks merged with `lightning.callbacks` (same name overrides, null removes).
+
+    Configs of the original launchers work as they document: `main.ImageLogger` and its
+    parameters, `pytorch_lightning.*` paths, a progress bar of the user's (under any name)
+    replacing ours, ModelCheckpoints without a `dirpath` writing into the run's `checkpoints/`.
+    """
     configs = default_callback_configs(str(run.root), has_validation, use_ema=use_ema)
     if lightning_cfg.get("logger") is False:
         configs.pop("learning_rate_logger")  # it has nowhere to log
     for name, cfg in (lightning_cfg.get("callbacks") or {}).items():
         if cfg is None:
             configs.pop(name, None)
-        elif "target" in cfg and cfg["target"] != configs.get(name, {}).get("target"):
+            continue
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"lightning.callbacks.{name}: expected a mapping with a 'target'")
+        if "target" in cfg:
+            cfg = {**cfg, "target": _target(cfg)}
+        if "target" in cfg and cfg["target"] != configs.get(name, {}).get("target"):
             configs[name] = cfg  # another class: its own params only
         else:  # a partial override (e.g. only `params.every_n_train_steps`) keeps the rest
             configs[name] = OmegaConf.to_container(OmegaConf.merge(configs.get(name, {}), cfg))
+    user_bars = [
+        name
+        for name, cfg in configs.items()
+        if name != "progress_bar"
+        and "target" in cfg
+        and issubclass(
+            _class_of(f"lightning.callbacks.{name}.target", cfg["target"]) or object, ProgressBar
+        )
+    ]
+    if user_bars:
+        configs.pop("progress_bar", None)  # Lightning allows one progress bar: the user's
     callbacks = []
     for name, cfg in configs.items():
-        with config_errors(f"lightning.callbacks.{name}", cfg):
-            callbacks.append(instantiate_from_config(cfg))
+        key = f"lightning.callbacks.{name}"
+        if "target" not in cfg:
+            raise ConfigError(f"{key}.target: missing; expected the path of a Callback class")
+        cls = _class_of(f"{key}.target", cfg["target"])
+        params = cfg.get("params") or {}
+        if cfg["target"] == IMAGE_LOGGER:
+            params = _image_logger_params(key, params)
+            if params is None:
+                continue
+        elif cls is not None and issubclass(cls, ModelCheckpoint):
+            if cls is ModelCheckpoint:
+                # Built as ours with Lightning's defaults: the same files, written atomically,
+                # and a state key that tells apart two that differ only by `filename` (Lightning
+                # refuses those: "more than one stateful callback of type ModelCheckpoint").
+                cfg = {**cfg, "target": CHECKPOINT}
+                params = {**LIGHTNING_CHECKPOINT_DEFAULTS, **params}
+                if params["filename"] is None:
+                    params["filename"] = LIGHTNING_CHECKPOINT_DEFAULTS["filename"]
+                cls = Checkpoint
+            params = _checkpoint_params(key, cls, params, run)
+        with config_errors(key, cfg):
+            callbacks.append(instantiate_from_config({"target": cfg["target"], "params": params}))
     # Always on: crashes and Ctrl-C leave a checkpoint; SIGUSR1 saves and goes on.
     callbacks.append(SignalCheckpoint(dirpath=str(run.checkpoints)))
     return callbacks
 
 
 def build_logger(lightning_cfg: dict, run: RunDir):
-    """TensorBoard under the run folder unless `lightning.logger` names another (or is false)."""
+    """TensorBoard under the run folder unless `lightning.logger` says otherwise: false (none),
+    one `{target, params}`, or - as the original launchers write it - a mapping of named
+    loggers (`{tensorboard: {target, params}, ...}`). `save_dir` defaults to the run folder;
+    every parameter is checked here, before any logger writes."""
     logger_cfg = lightning_cfg.get("logger")
     if logger_cfg is False:
         return False
-    if logger_cfg:
-        params = {"save_dir": str(run.root), **(logger_cfg.get("params") or {})}
-        with config_errors("lightning.logger", logger_cfg):
-            return instantiate_from_config({"target": logger_cfg["target"], "params": params})
-    return TensorBoardLogger(save_dir=str(run.root), name="tensorboard", version="")
+    if not logger_cfg:
+        return TensorBoardLogger(save_dir=str(run.root), name="tensorboard", version="")
+    if not isinstance(logger_cfg, dict):
+        raise ConfigError("lightning.logger: expected false, {target, params} or named loggers")
+    if "target" in logger_cfg:
+        return _build_one_logger("lightning.logger", logger_cfg, run)
+    loggers = []
+    for name, cfg in logger_cfg.items():
+        if cfg is None:
+            continue
+        if not isinstance(cfg, dict) or "target" not in cfg:
+            raise ConfigError(f"lightning.logger.{name}.target: missing; expected a Logger class")
+        loggers.append(_build_one_logger(f"lightning.logger.{name}", cfg, run))
+    return loggers or False
+
+
+def _build_one_logger(key: str, cfg: dict, run: RunDir):
+    target = _target(cfg)
+    params = {"save_dir": str(run.root), **(cfg.get("params") or {})}
+    cls = _class_of(f"{key}.target", target)
+    if cls is not None and issubclass(cls, TensorBoardLogger):
+        # Its **kwargs go to SummaryWriter (flush_secs, max_queue, ...), which would only refuse
+        # an unknown one at the first write.
+        from torch.utils.tensorboard import SummaryWriter
+
+        accepted = set(inspect.signature(cls.__init__).parameters)
+        accepted |= set(inspect.signature(SummaryWriter.__init__).parameters)
+        for name in params:
+            if name not in accepted:
+                raise ConfigError(f"{key}.params.{name}: not a {cls.__name__} argument")
+    with config_errors(key, cfg):
+        return instantiate_from_config({"target": target, "params": params})
 
 
 def build_trainer(

@@ -1,0 +1,219 @@
+"""The `lightning:` blocks users bring from the original projects run unchanged (issue 14).
+
+The block below is the translunar-diffusion write-up's, at toy step counts: CompVis'
+`main.ImageLogger` with its original parameters, a dict of named loggers with the old
+`pytorch_lightning.` paths, a progress bar of the user's, three ModelCheckpoints without a
+`dirpath` monitoring the original models' validation key; and `lightning.deepspeed` beside
+`trainer.strategy: deepspeed`.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import run_main
+
+from lun.run import RunDir
+from lun.trainer import build_callbacks, build_logger, trainer_kwargs
+
+WRITE_UP_LIGHTNING = """
+lightning:
+  trainer:
+    max_steps: 4
+    val_check_interval: 2
+    limit_val_batches: 1
+  logger:
+    tensorboard:
+      target: pytorch_lightning.loggers.tensorboard.TensorBoardLogger
+      params:
+        flush_secs: 60
+        name: tensorboard
+  callbacks:
+    image_logger:
+      target: main.ImageLogger
+      params:
+        batch_frequency: 2
+        max_images: 4
+        clamp: true
+        increase_log_steps: false
+        check_custom_step: true
+        log_images_kwargs:
+          N: 2
+          ddim_steps: 2
+          use_ema_scope: false
+          inpaint: false
+          plot_progressive_rows: false
+          plot_diffusion_rows: false
+    progress:
+      target: lun.callbacks.SmoothedProgressBar
+    checkpoint_monitor:
+      target: pytorch_lightning.callbacks.ModelCheckpoint
+      params:
+        monitor: val/loss_simple_ema
+        mode: min
+        save_top_k: 1
+        filename: "monitor/{epoch}-{step}-{val/loss_simple_ema:.3f}"
+    checkpoint_periodic:
+      target: pytorch_lightning.callbacks.ModelCheckpoint
+      params:
+        every_n_train_steps: 2
+        save_top_k: -1
+        filename: "periodic/{epoch}-{step}"
+    checkpoint_every_2_steps:
+      target: lightning.pytorch.callbacks.ModelCheckpoint
+      params:
+        every_n_train_steps: 2
+        save_top_k: 1
+        filename: "every-2-steps"
+"""
+
+VALIDATION = """
+data:
+  params:
+    validation:
+      target: lun.data.local.Local
+      params:
+        data_root: {root}
+        size: 32
+"""
+
+IGNORED = [
+    "image_logger.params.clamp",
+    "image_logger.params.check_custom_step",
+    "image_logger.params.log_images_kwargs.inpaint",
+    "image_logger.params.log_images_kwargs.plot_progressive_rows",
+    "image_logger.params.log_images_kwargs.plot_diffusion_rows",
+]
+
+
+@pytest.mark.slow
+def test_write_up_lightning_block_trains_and_writes_where_it_says(
+    tmp_path, tiny_config, shapes_dir
+):
+    block = tmp_path / "lightning.yaml"
+    block.write_text(WRITE_UP_LIGHTNING + VALIDATION.format(root=shapes_dir))
+    logs = tmp_path / "logs"
+    args = ["--base", str(tiny_config), str(block)]
+    args += [f"data.params.train.params.data_root={shapes_dir}", "-l", str(logs), "-t"]
+    result = run_main(args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    (run,) = [p for p in logs.iterdir() if p.is_dir()]
+    checkpoints = run / "checkpoints"
+    # Every user checkpoint is under the run's checkpoints/, none under the logger's folder.
+    assert not list((run / "tensorboard").rglob("*.ckpt"))
+    (best,) = (checkpoints / "monitor").glob("*.ckpt")
+    # `/` in the metric's name: `val_loss_simple_ema=0.123`, not a `val/` folder or 0.000.
+    loss = re.fullmatch(r"epoch=0-step=(\d)-val_loss_simple_ema=(\d+\.\d{3})\.ckpt", best.name)
+    assert loss is not None, best.name
+    assert float(loss.group(2)) > 0
+    periodic = sorted(p.name for p in (checkpoints / "periodic").glob("*.ckpt"))
+    assert periodic == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"]
+    assert torch.load(checkpoints / "every-2-steps.ckpt", weights_only=False)["global_step"] == 4
+
+    # The image logger sampled at steps 2 and 4 (batch_frequency) with N=2 images, and the
+    # grid reached the user's TensorBoard logger.
+    grids = sorted((run / "images" / "train").glob("*.png"))
+    assert grids and {re.search(r"gs-(\d+)", g.name).group(1) for g in grids} == {
+        "000002",
+        "000004",
+    }
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = (run / "tensorboard").rglob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events.parent), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert any(tag.startswith("train/") for tag in accumulator.Tags()["images"])
+
+    # One warning line per key without an effect here, naming it; none for the honoured keys.
+    for key in IGNORED:
+        lines = [line for line in result.stderr.splitlines() if f"callbacks.{key} " in line]
+        assert len(lines) == 1, (key, lines)
+    for honoured in ("N", "ddim_steps", "use_ema_scope", "increase_log_steps"):
+        assert f".{honoured} is accepted" not in result.stderr
+    assert "multiple progress bar" not in result.stderr
+
+
+def test_image_logger_parameters_are_translated(tmp_path, caplog):
+    from lun.callbacks import ImageLogger, SmoothedProgressBar
+
+    cfg = {
+        "callbacks": {
+            "image_logger": {
+                "target": "main.ImageLogger",
+                "params": {
+                    "batch_frequency": 7,
+                    "max_images": 8,
+                    "clamp": True,
+                    "log_images_kwargs": {"N": 3, "ddim_steps": 5, "use_ema_scope": False},
+                },
+            },
+            "progress": {"target": "lun.callbacks.SmoothedProgressBar"},
+        }
+    }
+    callbacks = build_callbacks(cfg, RunDir(tmp_path / "run"), False, False)
+    (logger,) = [c for c in callbacks if isinstance(c, ImageLogger)]
+    assert (logger.batch_frequency, logger.max_images, logger.steps) == (7, 3, 5)
+    assert logger.use_ema is False
+    assert len([c for c in callbacks if isinstance(c, SmoothedProgressBar)]) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "lightning.callbacks.image_logger.params.clamp is accepted but has no effect here"
+    ]
+
+
+def test_checkpoint_without_dirpath_writes_into_the_run_and_bad_params_are_config_errors(
+    tmp_path,
+):
+    from lun.config import ConfigError
+
+    run = RunDir(tmp_path / "run")
+    cfg = {"callbacks": {"mine": {"target": "pytorch_lightning.callbacks.ModelCheckpoint"}}}
+    # Lightning's defaults kept (its file name, metric names inserted, version counter).
+    mine = [
+        c
+        for c in build_callbacks(cfg, run, False, False)
+        if getattr(c, "filename", None) == "{epoch}-{step}"
+    ]
+    assert [c.dirpath for c in mine] == [str(run.checkpoints)]
+    assert mine[0].auto_insert_metric_name and mine[0]._enable_version_counter
+    cfg["callbacks"]["mine"]["params"] = {"every_n_train_step": 2}
+    with pytest.raises(ConfigError, match=r"callbacks\.mine\.params\.every_n_train_step: .*"):
+        build_callbacks(cfg, run, False, False)
+    with pytest.raises(ConfigError, match=r"lightning\.logger\.tb\.params\.flush_sec: "):
+        logger = {"target": "pytorch_lightning.loggers.TensorBoardLogger"}
+        build_logger({"logger": {"tb": {**logger, "params": {"flush_sec": 1}}}}, run)
+    assert not Path(run.root).exists()  # checked before the run folder
+
+
+@pytest.mark.parametrize(
+    "lightning_cfg",
+    [
+        {
+            "trainer": {"strategy": "deepspeed"},
+            "deepspeed": {"stage": 1, "offload_optimizer": True},
+        },
+        {"deepspeed": {"stage": 1, "offload_optimizer": True}},
+    ],
+)
+def test_deepspeed_section_gives_stage_1_with_optimizer_offload(lightning_cfg):
+    pytest.importorskip("deepspeed")
+    from lun.strategies import DeepSpeedStrategy
+
+    strategy = trainer_kwargs(
+        {**lightning_cfg, "trainer": {"accelerator": "cpu", **lightning_cfg.get("trainer", {})}}
+    )["strategy"]
+    assert isinstance(strategy, DeepSpeedStrategy)
+    zero = strategy.config["zero_optimization"]
+    assert zero["stage"] == 1
+    assert zero["offload_optimizer"]["device"] == "cpu"
+
+
+def test_deepspeed_section_with_another_strategy_or_unknown_key_is_a_config_error():
+    pytest.importorskip("deepspeed")
+    from lun.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^lightning\.deepspeed: set for strategy 'ddp'"):
+        trainer_kwargs({"trainer": {"strategy": "ddp"}, "deepspeed": {"stage": 1}})
+    with pytest.raises(ConfigError, match=r"^lightning\.deepspeed\.stag: .*did you mean 'stage'"):
+        trainer_kwargs({"trainer": {"strategy": "deepspeed"}, "deepspeed": {"stag": 1}})
