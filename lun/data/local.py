@@ -15,6 +15,8 @@ once in the log (logger "lun.data") and counted in the summaries after indexing 
 epoch boundary.
 """
 
+import difflib
+import inspect
 import logging
 import os
 import random
@@ -23,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from ldm.util import ParamError
 from lun.data.buckets import BucketSpec, assign_buckets, make_buckets
 from lun.data.images import (
     CROPS,
@@ -51,9 +54,51 @@ from lun.data.report import BadInputLog, decode_text
 logger = logging.getLogger("lun.data")
 
 TAG_JOINER = "\x1f"  # ASCII unit separator: cannot occur in a tag typed by a person
+# `mode:` of configs written for translunar-diffusion, whose Local had no such parameter: the
+# DataModule's section (train / validation) already says what a dataset is for.
+LEGACY_MODES = ("train", "val", "validation")
+# open-diffusion's dataset keys and the keys that mean the same here.
+OTHER_NAMES = {
+    "path": "data_root",
+    "resolution": "size",
+    "workers": "num_workers (a loader setting: data.params or the split's section)",
+}
 # A sample whose image fails is replaced by the next readable one; this many fresh failures in a
 # row mean the folder itself is unreadable (a lost mount), and that must stop the run.
 MAX_FRESH_FAILURES = 64
+
+
+def _refuse_unknown(unknown: dict) -> None:
+    """ParamError (a ValueError, and the TypeError Python would raise) naming the first key Local
+    does not take, and ours where another project's dataset spells it differently. (Local takes
+    `**unknown` only to say this.)"""
+    if not unknown:
+        return
+    name = sorted(unknown)[0]
+    if name in OTHER_NAMES:
+        raise ParamError(
+            f"{name}: not a parameter of lun.data.local.Local (open-diffusion's name); "
+            f"here it is {OTHER_NAMES[name]}"
+        )
+    known = [p for p in inspect.signature(Local).parameters if p != "unknown"]
+    near = difflib.get_close_matches(name, known, n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise ParamError(f"{name}: not a parameter of lun.data.local.Local{hint}")
+
+
+def _accept_mode(mode) -> None:
+    if mode is None:
+        return
+    if mode not in LEGACY_MODES:
+        raise ValueError(
+            f"mode={mode!r}: expected one of {', '.join(map(repr, LEGACY_MODES))} (or none: "
+            "the DataModule's train/validation section decides a dataset's use)"
+        )
+    logger.warning(
+        "mode=%r: has no effect here - the DataModule's section (train/validation) decides "
+        "a dataset's use",
+        mode,
+    )
 
 
 class Local(torch.utils.data.Dataset):
@@ -80,6 +125,8 @@ class Local(torch.utils.data.Dataset):
     cache_dir: where the index is cached (default $LUN_CACHE_DIR or ~/.cache/lun/index;
         `false` disables the cache). Point it beside the logs to keep runs self-contained.
     max_image_pixels: images with more pixels are refused as decompression bombs.
+    mode: accepted for configs written for translunar-diffusion ("train", "val" or
+        "validation") with one warning: the DataModule section a dataset sits in says its use.
     """
 
     def __init__(
@@ -96,8 +143,12 @@ class Local(torch.utils.data.Dataset):
         verify_images: bool = False,
         cache_dir: str | bool | None = None,
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        mode: str | None = None,
+        **unknown,
     ):
         # ValueErrors name the parameter first: the launcher reports them as config errors.
+        _refuse_unknown(unknown)
+        _accept_mode(mode)
         if not isinstance(data_root, str) or not data_root:
             raise ValueError(f"data_root={data_root!r}: expected the dataset's folder")
         if not os.path.isdir(data_root):
@@ -195,7 +246,8 @@ class Local(torch.utils.data.Dataset):
         Metadata: the score and tag filters, then the caption tags joined by TAG_JOINER.
         """
         if self.metadata is not None:
-            rows, tag_lists, filtered = select(records, self.metadata)
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as the loader's
+            rows, tag_lists, filtered = select(records, self.metadata, seed)
             keep_rows(records, rows)
             if filtered:
                 why = ", ".join(f"{n} {reason}" for reason, n in filtered.items())
@@ -221,7 +273,7 @@ class Local(torch.utils.data.Dataset):
         return self.bucket_sizes[int(self.batch_groups[index])]
 
     def caption(self, index: int) -> str:
-        """The caption of item `index`, drawn afresh (tag shuffle) in metadata mode."""
+        """The caption of item `index` (metadata mode: reshuffled if `reshuffle_tag_p` says)."""
         stored = self._captions[index]
         if self.metadata is not None:
             return build_caption(stored.split(TAG_JOINER) if stored else [], self.metadata)

@@ -3,8 +3,14 @@
 `data_root/metadata/**/*.json`, each `{"tags": [...], "score": N, "path": "images/..."}` (the path
 relative to data_root - an absolute one, or one that climbs out with "..", is refused; extra keys
 are ignored, and `width`/`height` or `aspect_ratio`, when present, spare opening the image for
-`aspect_range` and buckets). JSON that is not UTF-8 is read as lun.data.report.decode_text says. Filtering by score and tags
-happens once at indexing; the caption - tag shuffling - is drawn afresh for every sample.
+`aspect_range` and buckets). JSON that is not UTF-8 is read as lun.data.report.decode_text says.
+
+Filtering by score and tags, and the caption's tag order, are settled once at indexing, as in
+translunar-diffusion (the project these options come from, `data/metadata/metadata.py`): each
+image's tags are shuffled with probability `shuffle_tag_p`, else sorted (by `caption_sorter`), and
+keep that order for the whole run. The shuffle draw is seeded by the run's seed and the image's
+path, so the same config and seed give the same captions on every start, rank and resume. Only
+`reshuffle_tag_p` draws afresh for every sample (under the batch's seeded streams, lun.rng).
 """
 
 import dataclasses
@@ -17,6 +23,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+from ldm.util import instantiate_from_config
 from lun.data.index import is_image
 from lun.data.report import decode_text
 
@@ -26,13 +33,25 @@ class MetadataParams:
     """The `metadata_params:` of lun.data.local.Local (absent = flat-file mode).
 
     consider_every_nth: use only every n-th JSON file in sorted order (e.g. a validation subset).
-    shuffle_tag_p: probability that a sample's tags are shuffled (drawn for every sample).
-    keep_tokens: the first N caption tags keep their place when tags are shuffled.
+    shuffle_tag_p: probability that an image's caption tags are shuffled - drawn once per image at
+        indexing (seeded by the run's seed and the image's path), so the image keeps that order
+        for the run. Unshuffled tags are sorted (see `caption_sorter`, `sort_tags`).
+    reshuffle_tag_p: probability that a sample's tags are shuffled afresh every time it is loaded
+        (each epoch sees other orders); 0 = never.
+    keep_tokens: the first N tags of the file keep their place (not sorted, not shuffled).
+    sort_tags: sort the caption tags of an image that is not shuffled (the original's way);
+        `false` keeps the order of the JSON file.
+    caption_sorter: {target, params} building the sort key - the object `target(**params)` is
+        the `key=` of the sort (as translunar-diffusion's `caption_sorter`); default: the tag.
     blacklist_tags: images with any of these tags are left out.
     non_caption_tags: tags removed from the caption (they still count for filters and bonuses).
-    replacements: {substring: replacement} applied in order to every caption tag, e.g.
-        {"artist:": "by ", ":": "="}; a tag replaced by "" is dropped.
+    non_caption_tag_prefixes: tags starting with any of these are removed from the caption too
+        (e.g. ["artist:", "source:"]).
+    skip_caption: every caption is "" (the filters still choose the images).
+    replacements: {substring: replacement} applied in order to every caption tag (after the tag
+        order is settled), e.g. {"artist:": "by ", ":": "="}; a tag replaced by "" is dropped.
     tag_separator: joins the tags into the caption.
+    final_tag_separator: end the caption with `tag_separator` too ("a, b, ").
     abs_min_score: images scoring below this are left out, checked before bonuses.
     min_score: images scoring below this after `tag_bonus_scores` are left out.
     tag_bonus_scores: {tag: bonus} added to the score for `min_score`, to favour or disfavour tags.
@@ -43,11 +62,17 @@ class MetadataParams:
 
     consider_every_nth: int | None = None
     shuffle_tag_p: float = 0.0
+    reshuffle_tag_p: float = 0.0
     keep_tokens: int = 0
+    sort_tags: bool = True
+    caption_sorter: dict | None = None
     blacklist_tags: tuple = ()
     non_caption_tags: tuple = ()
+    non_caption_tag_prefixes: tuple = ()
+    skip_caption: bool = False
     replacements: dict = field(default_factory=dict)
     tag_separator: str = ", "
+    final_tag_separator: bool = False
     abs_min_score: float | None = None
     min_score: float | None = None
     tag_bonus_scores: dict = field(default_factory=dict)
@@ -64,13 +89,21 @@ class MetadataParams:
                 near = difflib.get_close_matches(key, known, n=1)
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 raise ValueError(f"metadata_params: unknown key {key!r}{hint}")
-        for key in ("blacklist_tags", "non_caption_tags", "score_tags"):
-            config[key] = tuple(config.get(key) or ())
+        for key in ("blacklist_tags", "non_caption_tags", "non_caption_tag_prefixes", "score_tags"):
+            value = config.get(key) or ()
+            if isinstance(value, str):  # one prefix or tag written without brackets
+                value = (value,)
+            config[key] = tuple(value)
         for key in ("replacements", "tag_bonus_scores"):
             config[key] = dict(config.get(key) or {})
+        for key in ("shuffle_tag_p", "reshuffle_tag_p"):
+            config[key] = _probability(key, config.get(key))
+        for key in ("skip_caption", "final_tag_separator", "sort_tags"):
+            if key in config and not isinstance(config[key], bool):
+                raise ValueError(f"metadata_params.{key}={config[key]!r}: expected true or false")
         params = cls(**config)
-        if not 0.0 <= params.shuffle_tag_p <= 1.0:
-            raise ValueError(f"metadata_params.shuffle_tag_p={params.shuffle_tag_p}: expected 0..1")
+        if params.caption_sorter is not None:
+            sort_key(params.caption_sorter)  # an import error is a config error, now
         if params.consider_every_nth is not None and params.consider_every_nth < 1:
             raise ValueError("metadata_params.consider_every_nth: expected an integer >= 1")
         if params.aspect_range is not None:
@@ -80,6 +113,35 @@ class MetadataParams:
                     f"metadata_params.aspect_range={list(params.aspect_range)}: need 0 < min <= max"
                 )
         return params
+
+
+def _probability(key: str, value) -> float:
+    if value is None:  # the original's default (`null`): never
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"metadata_params.{key}={value!r}: expected a probability in [0, 1]")
+    return float(value)
+
+
+def sort_key(config):
+    """The `key=` function a `caption_sorter: {target, params}` builds: `target(**params)`."""
+    if not isinstance(config, dict) or "target" not in config:
+        raise ValueError(
+            f"metadata_params.caption_sorter={config!r}: expected {{target: module.name, "
+            "params: {...}}} building the sort key"
+        )
+    try:
+        key = instantiate_from_config(config)
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"metadata_params.caption_sorter: cannot build {config['target']!r}: {err}"
+        ) from None
+    if not callable(key):
+        raise ValueError(
+            f"metadata_params.caption_sorter: {config['target']!r} built {type(key).__name__}, "
+            "not a callable sort key"
+        )
+    return key
 
 
 class MetadataError(ValueError):
@@ -181,17 +243,23 @@ def _threshold_name(threshold) -> str:
     return f"{threshold:g}" if isinstance(threshold, float) else str(threshold)
 
 
-def select(records: dict, params: MetadataParams) -> tuple[list[int], list[list[str]], Counter]:
+def select(
+    records: dict, params: MetadataParams, seed: int = 0
+) -> tuple[list[int], list[list[str]], Counter]:
     """Rows that pass the score and tag filters, their caption tags, and why others were left out.
 
-    Caption tags: the image's tags in their JSON order, minus `non_caption_tags`, with
-    `replacements` applied, then the score tag.
+    Caption tags: the image's tags minus `non_caption_tags` and `non_caption_tag_prefixes`, plus
+    the score tag; past the first `keep_tokens`, shuffled (with probability `shuffle_tag_p`, a
+    draw seeded by `seed` and the image's path) or else sorted; then `replacements`. None at all
+    with `skip_caption`.
     """
     blacklist, hidden = set(params.blacklist_tags), set(params.non_caption_tags)
+    prefixes = tuple(params.non_caption_tag_prefixes)
     thresholds = sorted(params.score_tags, reverse=True)
+    key = sort_key(params.caption_sorter) if params.caption_sorter is not None else None
     rows, captions, filtered = [], [], Counter()
-    for row, (tags, score, aspect) in enumerate(
-        zip(records["tags"], records["score"], records["aspect"])
+    for row, (image, tags, score, aspect) in enumerate(
+        zip(records["image"], records["tags"], records["score"], records["aspect"])
     ):
         if params.abs_min_score is not None and score < params.abs_min_score:
             filtered["below abs_min_score"] += 1
@@ -211,28 +279,46 @@ def select(records: dict, params: MetadataParams) -> tuple[list[int], list[list[
         ):
             filtered["outside aspect_range"] += 1
             continue
-        caption = []
-        for tag in tags:
-            if tag in hidden:
-                continue
-            for old, new in params.replacements.items():
-                tag = tag.replace(old, new)
-            if tag:
-                caption.append(tag)
+        rows.append(row)
+        if params.skip_caption:
+            captions.append([])
+            continue
+        caption = [t for t in tags if t not in hidden and not (prefixes and t.startswith(prefixes))]
         reached = next((t for t in thresholds if score >= t), None)
         if reached is not None:
             caption.append(f"scr{_threshold_name(reached)}")
-        rows.append(row)
-        captions.append(caption)
+        caption = _order(caption, params, key, random.Random(f"{seed}\x1f{image}"))
+        replaced = []
+        for tag in caption:
+            for old, new in params.replacements.items():
+                tag = tag.replace(old, new)
+            if tag:
+                replaced.append(tag)
+        captions.append(replaced)
     return rows, captions, filtered
 
 
-def build_caption(tags: list[str], params: MetadataParams, rng: random.Random | None = None) -> str:
-    """Join the caption tags, first shuffling all but the first `keep_tokens` with probability
-    `shuffle_tag_p` - a fresh draw for every sample, so each epoch sees other orders."""
-    rng = rng or random
+def _order(tags: list[str], params: MetadataParams, key, rng: random.Random) -> list[str]:
+    """The image's tag order for the run: the first `keep_tokens` in place, the rest shuffled
+    with probability `shuffle_tag_p` (a draw of `rng`, seeded per image), else sorted by `key`.
+    Sorting happens before `replacements`, by the names in the file, as the original did."""
+    head, tail = tags[: params.keep_tokens], tags[params.keep_tokens :]
     if params.shuffle_tag_p > 0 and rng.random() < params.shuffle_tag_p:
+        rng.shuffle(tail)
+    elif params.sort_tags:
+        tail.sort(key=key)
+    return head + tail
+
+
+def build_caption(tags: list[str], params: MetadataParams, rng: random.Random | None = None) -> str:
+    """Join the caption tags (in the order `select` settled), first shuffling all but the first
+    `keep_tokens` with probability `reshuffle_tag_p` - a fresh draw for every sample."""
+    if params.skip_caption:
+        return ""
+    rng = rng or random
+    if params.reshuffle_tag_p > 0 and rng.random() < params.reshuffle_tag_p:
         head, tail = tags[: params.keep_tokens], list(tags[params.keep_tokens :])
         rng.shuffle(tail)
         tags = head + tail
-    return params.tag_separator.join(tags)
+    caption = params.tag_separator.join(tags)
+    return caption + params.tag_separator if params.final_tag_separator else caption

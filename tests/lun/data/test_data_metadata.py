@@ -112,17 +112,17 @@ def test_aspect_range_is_honoured():
     assert rows == [1] and filtered == {"outside aspect_range": 2}
 
 
-def test_shuffle_is_fresh_per_sample_and_keeps_the_first_tokens():
+def test_reshuffle_is_fresh_per_sample_and_keeps_the_first_tokens():
     tags = [f"t{i}" for i in range(8)]
     params = MetadataParams.from_config(
-        {"shuffle_tag_p": 1.0, "keep_tokens": 2, "tag_separator": "|"}
+        {"reshuffle_tag_p": 1.0, "keep_tokens": 2, "tag_separator": "|"}
     )
     rng = random.Random(0)
     captions = {build_caption(tags, params, rng) for _ in range(20)}
     assert len(captions) > 10  # drawn afresh each time, not once at load
     assert all(c.startswith("t0|t1|") and sorted(c.split("|")) == sorted(tags) for c in captions)
     assert build_caption(tags, MetadataParams(), rng) == ", ".join(tags)  # never shuffled at p=0
-    half = MetadataParams.from_config({"shuffle_tag_p": 0.5})
+    half = MetadataParams.from_config({"reshuffle_tag_p": 0.5})
     unshuffled = sum(build_caption(tags, half, rng) == ", ".join(tags) for _ in range(200))
     assert 60 < unshuffled < 140
 
