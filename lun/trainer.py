@@ -350,7 +350,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
         if name != "progress_bar"
         and "target" in cfg
         and issubclass(
-            _class_of(f"lightning.callbacks.{name}.target", cfg["target"]) or object, ProgressBar
+            _class_of(f"lightning.callbacks.{name}", cfg["target"]) or object, ProgressBar
         )
     ]
     if user_bars:
@@ -360,7 +360,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
         key = f"lightning.callbacks.{name}"
         if "target" not in cfg:
             raise ConfigError(f"{key}.target: missing; expected the path of a Callback class")
-        cls = _class_of(f"{key}.target", cfg["target"])
+        cls = _class_of(key, cfg["target"])
         params = cfg.get("params") or {}
         if cfg["target"] == IMAGE_LOGGER:
             params = _image_logger_params(key, params)
@@ -411,7 +411,7 @@ def build_logger(lightning_cfg: dict, run: RunDir):
 def _build_one_logger(key: str, cfg: dict, run: RunDir):
     target = _target(cfg)
     params = {"save_dir": str(run.root), **(cfg.get("params") or {})}
-    cls = _class_of(f"{key}.target", target)
+    cls = _class_of(key, target)
     if cls is not None and issubclass(cls, TensorBoardLogger):
         # Its **kwargs go to SummaryWriter (flush_secs, max_queue, ...), which would only refuse
         # an unknown one at the first write.
