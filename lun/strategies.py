@@ -95,16 +95,22 @@ def build_strategy(
         return _deepspeed_from_config(strategy_cfg or "deepspeed", dict(deepspeed_cfg))
     if isinstance(strategy_cfg, str):
         if strategy_cfg in DEEPSPEED_NAMES:
-            return DeepSpeedStrategy(**DEEPSPEED_NAMES[strategy_cfg])
+            return _deepspeed(DEEPSPEED_NAMES[strategy_cfg])
         if strategy_cfg in FSDP_NAMES:
             return FSDPStrategy(**FSDP_NAMES[strategy_cfg])
         return strategy_cfg
     target, params = strategy_cfg.get("target"), dict(strategy_cfg.get("params") or {})
     if target in DEEPSPEED_TARGETS:
-        return DeepSpeedStrategy(**params)
+        return _deepspeed(params)
     if target in FSDP_TARGETS:
         return FSDPStrategy(**params)
     return instantiate_from_config(strategy_cfg)
+
+
+def _deepspeed(params: dict) -> "DeepSpeedStrategy":
+    # Lightning's "auto" reads the train loader's `batch_sampler.batch_size`, which lun.data's
+    # samplers lack: it only feeds DeepSpeed's throughput log (as in configs/lightning/).
+    return DeepSpeedStrategy(**{"logging_batch_size_per_gpu": 1, **params})
 
 
 def _deepspeed_from_config(strategy_cfg: str | dict, deepspeed_cfg: dict) -> Strategy:
@@ -121,7 +127,7 @@ def _deepspeed_from_config(strategy_cfg: str | dict, deepspeed_cfg: dict) -> Str
             near = difflib.get_close_matches(name, list(accepted), n=1)
             hint = f"; did you mean '{near[0]}'?" if near else ""
             raise ValueError(f"{name}: not a DeepSpeedStrategy argument{hint}")
-    return DeepSpeedStrategy(**{**params, **deepspeed_cfg})
+    return _deepspeed({**params, **deepspeed_cfg})
 
 
 def _require(package: str, why: str) -> None:

@@ -217,3 +217,23 @@ def test_deepspeed_section_with_another_strategy_or_unknown_key_is_a_config_erro
         trainer_kwargs({"trainer": {"strategy": "ddp"}, "deepspeed": {"stage": 1}})
     with pytest.raises(ConfigError, match=r"^lightning\.deepspeed\.stag: .*did you mean 'stage'"):
         trainer_kwargs({"trainer": {"strategy": "deepspeed"}, "deepspeed": {"stag": 1}})
+
+
+@pytest.mark.slow
+def test_deepspeed_stage_1_with_offload_trains_on_two_processes(tmp_path, tiny_config, shapes_dir):
+    """translunar's way, through the launcher on 2 CPU processes: the engine that trained was
+    configured for ZeRO stage 1 with the optimizer offloaded (its config is in the checkpoint)."""
+    pytest.importorskip("deepspeed")
+    logs = tmp_path / "logs"
+    args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
+    args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
+    args += ["lightning.trainer.strategy=deepspeed"]
+    args += ["lightning.deepspeed={stage: 1, offload_optimizer: true}", "-l", str(logs), "-t"]
+    result = run_main(args, cwd=tmp_path, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = logs.iterdir()
+    (states,) = (run / "checkpoints").glob("every-2k-steps.ckpt/*/mp_rank_00_model_states.pt")
+    saved = torch.load(states, map_location="cpu", weights_only=False)
+    zero = saved["ds_config"]["zero_optimization"]
+    assert zero["stage"] == 1 and zero["offload_optimizer"]["device"] == "cpu"
+    assert saved["global_steps"] == 2
