@@ -12,11 +12,16 @@ import sys
 import traceback
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from lun.config import (
     ConfigError,
     check_complete,
+    legacy_resume,
     merge_configs,
+    set_data_root,
     to_container,
+    translate_gpus,
     translate_legacy_keys,
 )
 
@@ -31,7 +36,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         nargs="*",
         default=[],
         metavar="config.yaml",
-        help="YAML configs, merged left to right; `key.path=value` overrides after them win",
+        help="YAML configs, merged left to right; `key.path=value` overrides after them win, "
+        "`~key.path` deletes a key of the merged files",
     )
     parser.add_argument(
         "-t", "--train", action="store_true", help="train (otherwise only build and check)"
@@ -55,10 +61,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         help="lr = accumulate x devices x nodes x batch size x base_learning_rate",
     )
     parser.add_argument("-d", "--debug", action="store_true", help="full tracebacks, debug logging")
+    # The original launchers' options, translated with a notice (docs/migrating.md).
+    parser.add_argument(
+        "--data_root", help="legacy: sets data.params.{train,validation}.params.data_root"
+    )
+    parser.add_argument(
+        "--gpus", help="legacy: '0,' or '0,1' (indices) or a count -> lightning.trainer.devices"
+    )
     opt, dotlist = parser.parse_known_args(argv)
-    # `--base a.yaml b.yaml key=value` puts overrides into --base's list: move them out.
-    dotlist = [a for a in opt.base if "=" in a] + dotlist
-    opt.base = [a for a in opt.base if "=" not in a]
+    # `--base a.yaml b.yaml key=value ~key` puts overrides into --base's list: move them out.
+    overrides = [a for a in opt.base if "=" in a or a.startswith("~")]
+    dotlist = overrides + dotlist
+    opt.base = [a for a in opt.base if a not in overrides]
     return opt, dotlist
 
 
@@ -105,17 +119,29 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]} (see --help)")
     ckpt_path = None
-    if opt.resume:
-        run_dir, ckpt_path = resume_target(opt.resume)
+    cfg = merge_configs(opt.base, dotlist) if opt.base else None
+    legacy = legacy_resume(cfg) if cfg is not None else None  # Lightning 1.x's way to --resume
+    if legacy and opt.resume:
+        raise ConfigError("give --resume or lightning.trainer.resume_from_checkpoint, not both")
+    resume = opt.resume or legacy
+    if resume:
+        run_dir, ckpt_path = resume_target(resume)
         from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
 
         check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
-        bases = opt.base or saved_configs(run_dir)
+        if cfg is None:
+            cfg = merge_configs(saved_configs(run_dir), dotlist)
     else:
-        bases = opt.base
-        name = opt.name or (Path(bases[0]).stem if bases else "run")
+        cfg = cfg if cfg is not None else merge_configs([], dotlist)
+        name = opt.name or (Path(opt.base[0]).stem if opt.base else "run")
         run_dir = new_run_dir(opt.logdir, name, opt.postfix)
-    cfg = translate_legacy_keys(merge_configs(bases, dotlist))
+    translate_legacy_keys(cfg)
+    if opt.data_root is not None:
+        set_data_root(cfg, opt.data_root)
+    if opt.gpus is not None:  # the command line wins over the files' trainer settings
+        if OmegaConf.select(cfg, "lightning.trainer", default=None) is None:
+            OmegaConf.update(cfg, "lightning.trainer", {}, force_add=True)
+        translate_gpus(cfg.lightning.trainer, opt.gpus, "--gpus", wins=True)
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"the merged config has no '{section}' section")

@@ -16,6 +16,8 @@ ORIGINAL_TARGETS = {
     "ldm.modules.encoders.modules.FrozenCLIPEmbedder": "ldm.text_encoder.FrozenCLIPEmbedder",
     "ldm.modules.encoders.modules.FrozenOpenCLIPEmbedder": "ldm.text_encoder.FrozenOpenCLIPEmbedder",
     "ldm.lr_scheduler.LambdaLinearScheduler": "ldm.optim.LambdaLinearScheduler",
+    # The CompVis launcher's data module (its legacy-only params are translated by lun.config).
+    "main.DataModuleFromConfig": "lun.data.DataModule",
 }
 
 
@@ -87,6 +89,14 @@ def latent_diffusion_params(params: Mapping) -> dict:
         conditioner["ucg_rate"] = params.pop("ucg_rate")
     if "cond_stage_trainable" in params:
         conditioner["freeze"] = not params.pop("cond_stage_trainable")
+    # The VAE is frozen here (its latents may be cached; the training step encodes without
+    # gradients): `false` is what happens anyway, `true` is refused with what to use instead.
+    if params.pop("first_stage_trainable", False):
+        raise ParamError(
+            "first_stage_trainable: true is not supported: the first stage (VAE) is frozen "
+            "here; fine-tune the VAE on its own and load its weights with "
+            "first_stage_config.params.ckpt_path"
+        )
     if conditioner and "conditioner_config" in params:
         params["conditioner_config"] = _with_params(params["conditioner_config"], **conditioner)
     return params

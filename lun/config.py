@@ -48,17 +48,70 @@ def load_yaml(path: str | Path) -> DictConfig:
     return OmegaConf.create(data)
 
 
+REPLACE = "_replace_"  # `key: {_replace_: true, ...}` replaces the earlier `key` instead of merging
+
+
 def merge_configs(paths: Sequence[str | Path], dotlist: Sequence[str] = ()) -> DictConfig:
-    """Merge YAML files left to right, then `key.path=value` overrides (which win)."""
+    """Merge YAML files left to right, then `key.path=value` overrides (which win).
+
+    Two ways to replace where merging would mix: a mapping holding `_replace_: true` (in a later
+    file, or `key._replace_=true` on the command line) replaces the earlier value of its key
+    instead of merging into it, and `~key.path` on the command line deletes that key from the
+    merged files before the overrides apply (`~data.params.validation`).
+    """
     configs = [load_yaml(p) for p in paths]
-    for item in dotlist:
+    deletions = [item[1:] for item in dotlist if item.startswith("~")]
+    overrides = [item for item in dotlist if not item.startswith("~")]
+    for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not of the form key.path=value")
     try:
-        configs.append(OmegaConf.from_dotlist(list(dotlist)))
-        return OmegaConf.merge(*configs) if configs else OmegaConf.create()
+        merged = OmegaConf.create()
+        for config in configs:
+            merged = _merge_replacing(merged, config)
+        for key in deletions:
+            _delete(merged, key)
+        return _merge_replacing(merged, OmegaConf.from_dotlist(overrides))
     except OmegaConfBaseException as err:
         raise ConfigError(f"cannot merge configs: {_first_line(err)}") from None
+
+
+def _merge_replacing(merged: DictConfig, config: DictConfig) -> DictConfig:
+    """`config` merged onto `merged`, each key whose mapping is marked `_replace_: true` first
+    deleted from `merged` (the marker itself is dropped)."""
+    plain = OmegaConf.to_container(config, resolve=False)  # `${...}` and `???` kept as written
+    for path in list(_replacements(plain)):
+        parent = merged
+        for name in path[:-1]:
+            parent = parent._get_node(name) if isinstance(parent, DictConfig) else None
+        if isinstance(parent, DictConfig) and path[-1] in parent:
+            del parent[path[-1]]
+    return OmegaConf.merge(merged, OmegaConf.create(plain))
+
+
+def _replacements(node, path: tuple = ()) -> Iterator[tuple]:
+    """Paths of the mappings in `node` marked `_replace_: true`, outermost first; the markers
+    are removed from `node`."""
+    if not isinstance(node, dict):
+        return
+    if REPLACE in node:
+        marker = node.pop(REPLACE)
+        if not isinstance(marker, bool):
+            where = ".".join(map(str, (*path, REPLACE)))
+            raise ConfigError(f"{where}={marker!r}: expected true or false")
+        if marker and path:
+            yield path
+    for key, value in node.items():
+        yield from _replacements(value, (*path, key))
+
+
+def _delete(cfg: DictConfig, key: str) -> None:
+    """`~key.path`: delete the key, which must exist."""
+    parent_key, _, name = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key, default=None) if parent_key else cfg
+    if not name or not isinstance(parent, DictConfig) or name not in parent:
+        raise ConfigError(f"~{key}: no such key in the merged configs to delete")
+    del parent[name]
 
 
 def check_complete(cfg: DictConfig) -> None:
@@ -83,9 +136,169 @@ def translate_legacy_keys(cfg: DictConfig) -> DictConfig:
     """Move keys of older configs to where their meaning lives now, one warning line each.
 
     Applied to the merged config, before `check_complete`; changes `cfg` in place and returns it.
+    `lightning.trainer.resume_from_checkpoint` is left for `legacy_resume`.
     """
     _move_caption_dropout(cfg)
+    _translate_data_module(cfg)
+    _translate_trainer_keys(cfg)
     return cfg
+
+
+# The CompVis launcher's `main.DataModuleFromConfig` params that lun.data.DataModule does without.
+DATA_MODULE_NO_EFFECT = {
+    "wrap": "datasets are used as they are (no WrappedDataset is needed)",
+    "use_worker_init_fn": "workers are always seeded per batch (lun.rng.seeded)",
+    "shuffle_test_loader": "the test split is never shuffled",
+    "shuffle_val_dataloader": "the validation split is never shuffled",
+    "predict": "there is no predict loop; generate with scripts/txt2img.py",
+}
+# Lightning 1.x Trainer arguments that Lightning 2 removed, with nothing to translate to.
+TRAINER_NO_EFFECT = {
+    "amp_backend": "mixed precision is torch.autocast, chosen by lightning.trainer.precision",
+    "amp_level": "mixed precision is torch.autocast, chosen by lightning.trainer.precision",
+    "weights_summary": "use lightning.trainer.enable_model_summary",
+    "progress_bar_refresh_rate": "the progress bar is a callback",
+    "flush_logs_every_n_steps": "loggers flush on their own (e.g. TensorBoard's flush_secs)",
+    "auto_select_gpus": "devices are taken as given",
+    "replace_sampler_ddp": "lun.data splits batches across ranks itself",
+}
+# Lightning 1.x took a strategy as `accelerator: ddp` (the CompVis launcher sets it so).
+LEGACY_ACCELERATOR_STRATEGIES = ("ddp", "ddp_spawn", "ddp2", "dp", "ddp_sharded", "deepspeed")
+
+
+def _translate_data_module(cfg: DictConfig) -> None:
+    data = cfg.get("data") if isinstance(cfg, DictConfig) else None
+    if not isinstance(data, DictConfig) or data.get("target") != "main.DataModuleFromConfig":
+        return
+    data.target = "lun.data.DataModule"
+    logger.warning(
+        "data.target main.DataModuleFromConfig is a legacy target: now lun.data.DataModule"
+    )
+    params = data.get("params")
+    if not isinstance(params, DictConfig):
+        return
+    # There `num_workers: null` meant twice the batch size; here the default is 0.
+    if "num_workers" in params and params._get_node("num_workers")._is_none():
+        params.num_workers = (
+            2 * _value(cfg, "data.params.batch_size") if "batch_size" in params else 0
+        )
+        logger.warning(
+            "data.params.num_workers: null meant 2 x batch_size there: now %s", params.num_workers
+        )
+    for key, why in DATA_MODULE_NO_EFFECT.items():
+        if key in params:
+            del params[key]
+            logger.warning("data.params.%s has no effect here and is ignored: %s", key, why)
+
+
+def _translate_trainer_keys(cfg: DictConfig) -> None:
+    trainer = OmegaConf.select(cfg, "lightning.trainer", default=None)
+    if not isinstance(trainer, DictConfig):
+        return
+    for key, why in TRAINER_NO_EFFECT.items():
+        if key in trainer:
+            del trainer[key]
+            logger.warning("lightning.trainer.%s has no effect here and is ignored: %s", key, why)
+    accelerator = trainer.get("accelerator")
+    if isinstance(accelerator, str) and accelerator.lower() in LEGACY_ACCELERATOR_STRATEGIES:
+        strategy = OmegaConf.select(cfg, "lightning.strategy", default=None)
+        if trainer.get("strategy") is None and strategy is None:
+            trainer.strategy = accelerator
+        del trainer["accelerator"]
+        logger.warning(
+            "lightning.trainer.accelerator=%s is a Lightning 1.x strategy: now "
+            "lightning.trainer.strategy=%s%s",
+            accelerator,
+            accelerator,
+            "" if trainer.get("strategy") == accelerator else " (the strategy set there wins)",
+        )
+    if "gpus" in trainer:
+        translate_gpus(trainer, _value(cfg, "lightning.trainer.gpus"), "lightning.trainer.gpus")
+        del trainer["gpus"]
+
+
+def translate_gpus(trainer: DictConfig, gpus, name: str, wins: bool = False) -> None:
+    """Lightning 1.x `gpus` (`--gpus 0,` / `gpus: 2` / `[0, 1]` / `-1` / `0` or null for CPU) ->
+    `accelerator` and `devices` in `trainer` (the `lightning.trainer` section), one notice line.
+    From the command line (`wins`) it replaces what the files set; in a file it must agree."""
+    devices = _gpu_devices(gpus, name)
+    if devices is None:
+        values = {"accelerator": "cpu"}
+    else:
+        values = {"accelerator": "gpu", "devices": devices}
+    for key, value in values.items():
+        current = trainer.get(key)
+        if wins or current is None or str(current).lower() in ("auto", str(value).lower()):
+            pass
+        else:
+            raise ConfigError(
+                f"{name}={gpus} and lightning.trainer.{key}={current} disagree: "
+                f"give lightning.trainer.accelerator and devices only"
+            )
+        trainer[key] = value
+    now = ", ".join(f"lightning.trainer.{k}={v}" for k, v in values.items())
+    given = f"{name} {gpus}" if name.startswith("--") else f"{name}={gpus}"
+    logger.warning(
+        "%s is a legacy %s: now %s", given, "option" if name.startswith("--") else "key", now
+    )
+
+
+def _gpu_devices(gpus, name: str):
+    """None for CPU, else what `devices` takes: a count, -1 (all), or a list of indices."""
+    if (
+        gpus is None
+        or gpus == ""
+        or (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus == 0)
+    ):
+        return None
+    if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= -1:
+        return gpus
+    if isinstance(gpus, str):
+        text = gpus.strip()
+        try:
+            if "," in text:  # "0," / "0,1": device indices
+                return [int(i) for i in text.split(",") if i.strip()] or None
+            return _gpu_devices(int(text), name)
+        except ValueError:
+            pass
+    elif isinstance(gpus, Sequence) and all(isinstance(i, int) and i >= 0 for i in gpus):
+        return list(gpus) or None
+    raise ConfigError(
+        f"{name}={gpus!r}: expected a GPU count (-1 for all, 0 for CPU) or indices like '0,' or '0,1'"
+    )
+
+
+def set_data_root(cfg: DictConfig, data_root: str) -> None:
+    """`--data_root DIR` (translunar-diffusion's launcher): the data folder of the train split,
+    and of the validation split where there is one."""
+    keys = []
+    for split in ("train", "validation"):
+        params = OmegaConf.select(cfg, f"data.params.{split}", default=None)
+        if not isinstance(params, DictConfig):
+            continue
+        if params.get("params") is None:
+            params.params = {}
+        params.params.data_root = data_root
+        keys.append(f"data.params.{split}.params.data_root")
+    if not keys:
+        raise ConfigError("--data_root: the merged config has no data.params.train to set it in")
+    logger.warning("--data_root %s is a legacy option: now %s", data_root, " and ".join(keys))
+
+
+def legacy_resume(cfg: DictConfig) -> str | None:
+    """Remove `lightning.trainer.resume_from_checkpoint` (Lightning 1.x) and return its path,
+    which the launcher takes as `--resume`."""
+    trainer = OmegaConf.select(cfg, "lightning.trainer", default=None)
+    if not isinstance(trainer, DictConfig) or "resume_from_checkpoint" not in trainer:
+        return None
+    path = _value(cfg, "lightning.trainer.resume_from_checkpoint")
+    del trainer["resume_from_checkpoint"]
+    if path is None or path == "":
+        return None
+    logger.warning(
+        "lightning.trainer.resume_from_checkpoint=%s is a legacy key: now --resume %s", path, path
+    )
+    return str(path)
 
 
 def _move_caption_dropout(cfg: DictConfig) -> None:
