@@ -141,7 +141,30 @@ def translate_legacy_keys(cfg: DictConfig) -> DictConfig:
     _move_caption_dropout(cfg)
     _translate_data_module(cfg)
     _translate_trainer_keys(cfg)
+    _move_modelcheckpoint(cfg)
     return cfg
+
+
+def _move_modelcheckpoint(cfg: DictConfig) -> None:
+    """The CompVis launcher's `lightning.modelcheckpoint` section configures its default
+    checkpoint callback: here that is `lightning.callbacks.modelcheckpoint` (whose own settings
+    win where both set a key)."""
+    lightning = cfg.get("lightning") if isinstance(cfg, DictConfig) else None
+    if not isinstance(lightning, DictConfig) or "modelcheckpoint" not in lightning:
+        return
+    legacy = lightning.pop("modelcheckpoint")
+    if legacy is None:
+        return
+    if not isinstance(legacy, DictConfig):
+        raise ConfigError("lightning.modelcheckpoint: expected a mapping like {params: {...}}")
+    callbacks = lightning.get("callbacks") or OmegaConf.create({})
+    current = callbacks.get("modelcheckpoint") or OmegaConf.create({})
+    callbacks["modelcheckpoint"] = OmegaConf.merge(legacy, current)
+    lightning["callbacks"] = callbacks
+    logger.warning(
+        "lightning.modelcheckpoint is a legacy key: now lightning.callbacks.modelcheckpoint "
+        "(the default checkpoint callback)"
+    )
 
 
 # The CompVis launcher's `main.DataModuleFromConfig` params that lun.data.DataModule does without.

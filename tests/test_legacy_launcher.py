@@ -234,3 +234,30 @@ def test_data_module_from_config_params(caplog):
     }
     for key in ("main.DataModuleFromConfig", "num_workers", "wrap"):
         assert len([r for r in caplog.records if key in r.message]) == 1
+
+
+def test_compvis_modelcheckpoint_section_configures_the_default_checkpoint(caplog, tmp_path):
+    """CompVis main.py merges `lightning.modelcheckpoint` into its default ModelCheckpoint."""
+    from lun.run import RunDir
+    from lun.trainer import build_callbacks
+
+    caplog.set_level(logging.INFO)
+    cfg = OmegaConf.create(
+        {
+            "lightning": {
+                "modelcheckpoint": {"params": {"every_n_train_steps": 7, "filename": "old"}},
+                "callbacks": {"modelcheckpoint": {"params": {"filename": "every-7"}}},
+            }
+        }
+    )
+    translate_legacy_keys(cfg)
+    assert "modelcheckpoint" not in cfg.lightning
+    assert OmegaConf.to_container(cfg.lightning.callbacks.modelcheckpoint) == {
+        "params": {"every_n_train_steps": 7, "filename": "every-7"}  # the callbacks section wins
+    }
+    assert len([r for r in caplog.records if "lightning.modelcheckpoint" in r.message]) == 1
+    callbacks = build_callbacks(
+        OmegaConf.to_container(cfg.lightning), RunDir(tmp_path), False, False
+    )
+    periodic = [c for c in callbacks if getattr(c, "_every_n_train_steps", None) == 7]
+    assert len(periodic) == 1 and periodic[0].filename == "every-7"
