@@ -25,7 +25,7 @@ from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
 from lun.callbacks.signals import SignalCheckpoint
 from lun.config import ConfigError, config_errors
-from lun.data.datamodule import LOADER_KEYS, DataModule
+from lun.data.datamodule import DataModule, check_loader_settings, is_count
 from lun.run import RunDir
 
 logger = logging.getLogger(__name__)
@@ -81,19 +81,8 @@ TRAINER_COUNTS = {
     "log_every_n_steps": (0, ""),
     "reload_dataloaders_every_n_epochs": (0, ""),
 }
-# The DataModule's loader settings, checked before any loader exists: key -> (test, allowed).
-LOADER_VALUES = {
-    "batch_size": (lambda v: _is_count(v, 1), "a whole number >= 1"),
-    "num_workers": (lambda v: _is_count(v, 0), "a whole number >= 0"),
-    "persistent_workers": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-    "pin_memory": (lambda v: isinstance(v, bool), "true or false"),
-}
 # split -> the setup stage that builds it; "fit" also builds validation, so it comes last.
 SPLITS = {"validation": "validate", "test": "test", "train": "fit"}
-
-
-def _is_count(value, lowest: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= lowest
 
 
 def check_target(key: str, config: dict, base: type) -> None:
@@ -145,12 +134,12 @@ def build_data(config: dict) -> LightningDataModule:
     if not isinstance(data, DataModule):
         return data
     params = config.get("params") or {}
-    _check_loader_values("data.params", params)
+    check_loader_settings("data.params", params)
     for split, stage in SPLITS.items():
         if params.get(split) is None:
             continue
         key = f"data.params.{split}"
-        _check_loader_values(key, params[split], split=True)
+        check_loader_settings(key, params[split], split=True)
         with config_errors(key, params[split]):
             data.setup(stage)
             check_readable = getattr(data.datasets[split], "check_readable", None)
@@ -159,27 +148,13 @@ def build_data(config: dict) -> LightningDataModule:
     return data
 
 
-def _check_loader_values(key: str, settings: dict, split: bool = False) -> None:
-    if split:
-        unknown = sorted(set(settings) - {"target", "params", *LOADER_KEYS})
-        if unknown:
-            near = difflib.get_close_matches(unknown[0], LOADER_KEYS, n=1)
-            hint = f"; did you mean '{near[0]}'?" if near else ""
-            raise ConfigError(
-                f"{key}.{unknown[0]}: not a loader setting ({', '.join(LOADER_KEYS)}){hint}"
-            )
-    for name, (valid, allowed) in LOADER_VALUES.items():
-        if name in settings and not valid(settings[name]):
-            raise ConfigError(f"{key}.{name}={settings[name]!r}: expected {allowed}")
-
-
 def _check_trainer_values(kwargs: dict) -> None:
     for name, (lowest, minus_one) in TRAINER_COUNTS.items():
         if name not in kwargs:
             continue
         value = kwargs[name]
         nullable = type(None) in typing.get_args(TRAINER_PARAMETERS[name].annotation)
-        if (value is None and nullable) or _is_count(value, lowest):
+        if (value is None and nullable) or is_count(value, lowest):
             continue
         allowed = [f"a whole number >= {max(lowest, 0)}"]
         allowed += [f"-1 for {minus_one}"] * bool(minus_one) + ["null"] * nullable

@@ -30,6 +30,7 @@ For the launcher:
   streams are left as they were (what `lun.callbacks.rng_state` saves and restores).
 """
 
+import difflib
 import functools
 import os
 import warnings
@@ -41,9 +42,37 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ldm.util import instantiate_from_config
 from lun.data.buckets import BucketBatchSampler
+from lun.config import ConfigError
 from lun.rng import seeded
 
 LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
+# What each loader setting may be: key -> (test, allowed), checked before any loader exists.
+LOADER_VALUES = {
+    "batch_size": (lambda v: is_count(v, 1), "a whole number >= 1"),
+    "num_workers": (lambda v: is_count(v, 0), "a whole number >= 0"),
+    "persistent_workers": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
+    "pin_memory": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def is_count(value, lowest: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= lowest
+
+
+def check_loader_settings(key: str, settings: dict, split: bool = False) -> None:
+    """One-line ConfigError naming `key.<name>` for an unknown (in a split) or invalid setting."""
+    if split:
+        unknown = sorted(set(settings) - {"target", "params", *LOADER_KEYS})
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], LOADER_KEYS, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ConfigError(
+                f"{key}.{unknown[0]}: not a loader setting (unknown key '{unknown[0]}'; "
+                f"loader keys: {', '.join(LOADER_KEYS)}){hint}"
+            )
+    for name, (valid, allowed) in LOADER_VALUES.items():
+        if name in settings and not valid(settings[name]):
+            raise ConfigError(f"{key}.{name}={settings[name]!r}: expected {allowed}")
 
 
 class KeyedBatches(Sampler):
@@ -165,11 +194,7 @@ class DataModule(L.LightningDataModule):
 
     def _settings(self, split: str) -> dict:
         config = self.configs[split]
-        unknown = set(config) - {"target", "params", *LOADER_KEYS}
-        if unknown:
-            raise ValueError(
-                f"data.params.{split}: unknown key(s) {sorted(unknown)}; loader keys: {LOADER_KEYS}"
-            )
+        check_loader_settings(f"data.params.{split}", config, split=True)
         settings = {key: config.get(key, self.defaults[key]) for key in LOADER_KEYS}
         if settings["persistent_workers"] is None:
             settings["persistent_workers"] = settings["num_workers"] > 0
