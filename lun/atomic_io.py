@@ -180,8 +180,9 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO whose local writes are atomic (temp file, fsync, rename).
 
-    Use: `Trainer(plugins=[AtomicCheckpointIO()])`. Loading is Lightning's own after a check of
-    the file's pickle (ldm.checkpoint's allow-list); removing is Lightning's own.
+    Use: `Trainer(plugins=[AtomicCheckpointIO()])`. A local file loads after a check of its
+    pickle (ldm.checkpoint's allow-list), its weights lazily (`lazy_load_checkpoint`); removing
+    is Lightning's own. Writing streams the tensors that exist into the file: no copies.
     Remote paths (`s3://...`) keep Lightning's fsspec transaction, which uploads the object whole.
     """
 
@@ -205,4 +206,34 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             from ldm.checkpoint import check_pickle
 
             check_pickle(path)
-        return super().load_checkpoint(path, *args, weights_only=weights_only, **kwargs)
+        if not _is_local_file_protocol(path) or not os.path.isfile(path):
+            return super().load_checkpoint(path, *args, weights_only=weights_only, **kwargs)
+        return lazy_load_checkpoint(path)
+
+
+def lazy_load_checkpoint(path: str | os.PathLike) -> dict:
+    """A checkpoint file whose module weights stay in the file until they are used.
+
+    Lightning loads a whole checkpoint into memory before it copies the weights into the model:
+    a second full copy of the weights (and the EMA) beside the ones training holds. Here each
+    `state_dict` entry is read when it is copied into its parameter (`load_state_dict`) or EMA
+    buffer, and freed right after (Lightning's lazy loader), so a resume needs one tensor of
+    memory beyond what training holds. Everything else - the optimizer state, which becomes the
+    optimizer's own tensors, and the loops' and callbacks' state - is read now. The pickle must
+    have been checked before (`ldm.checkpoint.check_pickle`): this loader trusts the file.
+    """
+    from lightning.fabric.utilities.load import _lazy_load, _materialize_tensors
+
+    checkpoint = _lazy_load(path)
+    weights = checkpoint.pop("state_dict", None)
+    checkpoint = _materialize_tensors(checkpoint)
+    if weights is not None:
+        checkpoint["state_dict"] = weights
+    return checkpoint
+
+
+def materialized(value):
+    """A tensor of a `lazy_load_checkpoint` read into memory (other values as they are)."""
+    from lightning.fabric.utilities.load import _materialize_tensors
+
+    return _materialize_tensors(value)

@@ -5,11 +5,14 @@ from types import SimpleNamespace
 import lightning.pytorch as pl
 import pytest
 import torch
-from callback_testing import SeedEveryStep, WeightRecorder, trainable_weights
+from callback_testing import SeedEveryStep, TinyDiffusion, WeightRecorder, trainable_weights
+from torch import nn
 from torch.testing import assert_close
 
+from lun.atomic_io import AtomicCheckpointIO
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.ema import EMA, ema_weights
+from lun.memory import peak_allocated
 
 
 def reference_decay(warmup: str, decay: float, n: int) -> float:
@@ -222,3 +225,77 @@ def test_ddp_ranks_keep_identical_averages_and_rank0_writes(make_module, make_lo
     assert sorted(os.listdir(ckpt_dir)) == ["every-3-steps.ckpt"]
     state = torch.load(ckpt_dir / "every-3-steps.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(state["model_ema." + n.replace(".", "")], rank0[n]) for n in rank0)
+
+
+class WideDiffusion(TinyDiffusion):
+    """TinyDiffusion with 2.4 M trainable weights (9.5 MB): large enough that a copy of them
+    at save time stands out from a checkpoint's fixed small tensors (RNG states, counters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model.diffusion_model = nn.Sequential(
+            nn.Conv2d(3, 512, 1), nn.SiLU(), nn.Conv2d(512, 512, 3, padding=1), nn.Conv2d(512, 3, 1)
+        )
+
+
+@pytest.mark.parametrize("inside_ema_block", [False, True])
+def test_saving_with_ema_allocates_no_copy_of_the_weights(
+    make_loader, fit, tmp_path, inside_ema_block
+):
+    """A run must never need more memory to save than to train: the checkpoint is written from
+    the shadows (and, inside an EMA block, the raw weights' staging buffers) themselves."""
+    torch.manual_seed(0)
+    module, ema = WideDiffusion(), EMA(decay=0.9)
+    trainer = fit(module, [ema], make_loader(batches=2), max_steps=2)
+    path = tmp_path / "saved.ckpt"
+
+    def save():
+        if inside_ema_block:
+            with ema_weights(trainer, module):
+                trainer.save_checkpoint(path)
+        else:
+            trainer.save_checkpoint(path)
+
+    model_bytes = sum(p.numel() * p.element_size() for p in module.model.parameters())
+    assert peak_allocated(save, torch.device("cpu")) < 0.02 * model_bytes
+    state = torch.load(path, weights_only=True)["state_dict"]
+    for name, p in module.model.named_parameters():
+        assert torch.equal(state["model_ema." + name.replace(".", "")], ema.shadows[name])
+        assert torch.equal(state["model." + name], p.detach())  # raw weights, even inside
+
+
+def test_resume_reads_the_weights_into_the_model_one_tensor_at_a_time(make_loader, fit, tmp_path):
+    """Beyond the optimizer state (which becomes the optimizer's own), a resume holds one tensor
+    of the file at a time: no second copy of the weights or the EMA."""
+    torch.manual_seed(0)
+    module, ema = WideDiffusion(), EMA(decay=0.9)
+    trainer = fit(module, [ema], make_loader(batches=2), max_steps=2)
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    optimizer_bytes = sum(
+        t.numel() * t.element_size()
+        for state in trainer.optimizers[0].state.values()
+        for t in state.values()
+    )
+    largest = max(p.numel() * p.element_size() for p in module.parameters())
+    torch.manual_seed(1)
+    resumed = WideDiffusion()
+
+    def restore():
+        checkpoint = AtomicCheckpointIO().load_checkpoint(path)
+        resumed.load_state_dict(checkpoint["state_dict"])
+        ema_state = EMA(decay=0.9)
+        ema_state.shadows = {n: torch.zeros_like(s) for n, s in ema.shadows.items()}
+        ema_state.on_load_checkpoint(None, resumed, checkpoint)
+        ema_state._apply_loaded()
+        return ema_state
+
+    shadows_bytes = sum(s.numel() * s.element_size() for s in ema.shadows.values())
+    # The restored EMA's own buffers are allocated inside `restore` too (as on_train_start does).
+    limit = optimizer_bytes + shadows_bytes + largest + 2**16
+    assert peak_allocated(restore, torch.device("cpu")) < limit
+    restored = restore()
+    for (name, p), q in zip(module.named_parameters(), resumed.parameters()):
+        assert torch.equal(p, q), name
+    for name, shadow in ema.shadows.items():
+        assert torch.equal(restored.shadows[name], shadow), name
