@@ -61,6 +61,23 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         help="lr = accumulate x devices x nodes x batch size x base_learning_rate",
     )
     parser.add_argument("-d", "--debug", action="store_true", help="full tracebacks, debug logging")
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the memory plan (one probe step measures activations) and exit; no run folder",
+    )
+    parser.add_argument(
+        "--host-memory",
+        type=float,
+        metavar="GIB",
+        help="host RAM the memory plan must fit (default: this machine's, or its cgroup limit)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=float,
+        metavar="GIB",
+        help="accelerator memory the memory plan must fit (default: the device's)",
+    )
     # The original launchers' options, translated with a notice (docs/migrating.md).
     parser.add_argument(
         "--data_root", help="legacy: sets data.params.{train,validation}.params.data_root"
@@ -176,9 +193,22 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 
+    # The memory plan, before the run folder: a run that cannot fit stops here (exit 2). Other
+    # ranks are started by rank 0's `fit`, after its plan passed.
+    plan = None
+    if is_rank_zero() and (opt.train or opt.plan):
+        from lun.memory import plan_run
+
+        plan = plan_run(model, data, trainer, opt.host_memory, opt.device_memory)
+        print(plan.table())
+        plan.check()
+    if opt.plan:
+        return 0
     if is_rank_zero():
         run_dir.create()
         run_dir.save_configs(as_written)
+        if plan is not None:
+            plan.save(run_dir.root / "memory-plan.json")
         print(f"run folder: {run_dir.root}")
     if not opt.train:
         return 0

@@ -1,0 +1,752 @@
+"""The memory a training run will hold, said before it starts and checked against the machine.
+
+A full Stable Diffusion fine-tune is close to what one machine holds, and every trainer in this
+field lets its users find that out with an out-of-memory kill. The launcher prints this plan once
+before training (and alone with `main.py --plan`), and stops with one line and exit status 2,
+before the run folder exists, when the plan does not fit - naming what would make it fit.
+
+Each part is computed from the built model, optimizer, strategy and callbacks, per rank:
+
+    weights            trainable parameters in the dtype training keeps them
+    gradients          one per trainable weight, same dtype
+    optimizer state    per optimizer: AdamW two moments in the weight's dtype; 8-bit AdamW
+                       (bitsandbytes) one byte each plus an fp32 absmax per block of 256 values
+                       (tensors under 4096 values keep fp32 moments); DeepSpeed adds fp32 master
+                       weights under mixed precision
+    frozen parts       each frozen top-level module (VAE, text encoder) and the buffers, in
+                       their dtypes
+    activations        measured: one forward and backward pass of the largest bucket at the batch
+                       size (allocations counted by torch's profiler on the CPU, the allocator's
+                       peak on an accelerator), less the gradients it allocates
+    EMA                fp32 shadows and staging buffers in host RAM (lun.callbacks.ema)
+    checkpoint save    nothing: the writer streams the tensors that exist (lun.atomic_io); a
+                       snapshot of the whole checkpoint with Lightning's AsyncCheckpointIO, the
+                       gathered weights and optimizer state with FSDP's full state dict
+    process            the process's resident memory besides its model tensors
+
+Strategies divide what they shard among the ranks that share it: ZeRO-1 the optimizer state,
+ZeRO-2 also the gradients, ZeRO-3 also the weights; FSDP FULL_SHARD all three, SHARD_GRAD_OP the
+gradients and optimizer state. Offloading moves parts to host RAM. Host RAM counts every process
+this machine runs (one per local device).
+
+Peaks: training holds everything but the checkpoint writer's part; saving holds what training
+holds between steps (no activations) plus the writer's part; resuming holds weights, optimizer
+state and EMA plus the one tensor being read (`lun.atomic_io.lazy_load_checkpoint`).
+"""
+
+import json
+import math
+import os
+import random
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.nn.functional as F
+
+from lun.config import ConfigError
+
+GiB = 2**30
+DEVICE, HOST = "device", "host"
+# Parts held only at some moments; everything else is held throughout training.
+ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE, CHECKPOINT_READ = (
+    "activations",
+    "gradients",
+    "checkpoint save",
+    "checkpoint read",
+)
+# bitsandbytes' 8-bit optimizers: blockwise quantized states with one fp32 absmax per block,
+# and 32-bit states for tensors smaller than `min_8bit_size`.
+BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096
+# State tensors per weight of torch's optimizers (the rest are scalars).
+STATES_PER_WEIGHT = {
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adagrad": 1,
+    "Lion": 1,
+}
+# Gradient checkpointing cut this UNet's activation memory by 76 % (README, Benchmarks).
+CHECKPOINTING_SAVES = 0.75
+
+
+class MemoryPlanError(ConfigError):
+    """The plan does not fit the machine: one line saying by how much and what would fit."""
+
+
+@dataclass
+class Part:
+    name: str
+    nbytes: int  # per rank
+    place: str  # DEVICE or HOST
+    detail: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """The parts a run holds, per rank, and the budgets they must fit.
+
+    `device` is where training runs ("cpu": its parts are host RAM); `local_ranks` the processes
+    on this machine, each holding its own host parts.
+    """
+
+    parts: list[Part]
+    device: str
+    local_ranks: int = 1
+    host_budget: int | None = None
+    device_budget: int | None = None
+    options: list[dict] = field(default_factory=list)  # what would shrink it (see `_options`)
+
+    def _sum(self, place: str, leave_out=()) -> int:
+        per_rank = sum(p.nbytes for p in self.parts if p.place == place and p.name not in leave_out)
+        return per_rank * (self.local_ranks if place == HOST else 1)
+
+    def peaks(self, place: str) -> dict[str, int]:
+        """Training, saving and resuming peak of `place` (device: per device; host: machine)."""
+        return {
+            "training": self._sum(place, {CHECKPOINT_SAVE, CHECKPOINT_READ}),
+            "saving": self._sum(place, {ACTIVATIONS, CHECKPOINT_READ}),
+            "resuming": self._sum(place, {ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE}),
+        }
+
+    def peak(self, place: str) -> int:
+        return max(self.peaks(place).values())
+
+    def places(self) -> list[str]:
+        return [HOST] if self.device == "cpu" else [DEVICE, HOST]
+
+    def table(self) -> str:
+        places = self.places()
+        where = "host RAM" if self.device == "cpu" else f"{self.device} and host RAM"
+        ranks = f", {self.local_ranks} processes on this machine" if self.local_ranks > 1 else ""
+        header = f"memory plan ({where}, per rank{ranks}):"
+        rows = []
+        for p in self.parts:
+            cells = [_gib(p.nbytes) if p.place == place else "" for place in places]
+            rows.append((p.name, cells, p.detail))
+        for label in ("training", "saving", "resuming"):
+            cells = [_gib(self.peaks(place)[label]) for place in places]
+            budgets = [self.host_budget if pl == HOST else self.device_budget for pl in places]
+            limit = ", ".join(f"{pl} {_gib(b)}" for pl, b in zip(places, budgets) if b)
+            note = "the machine" + ("" if self.local_ranks == 1 else " (all its processes)")
+            rows.append((f"= {label} peak", cells, f"of {note}: {limit}" if limit else ""))
+        width = max(len(r[0]) for r in rows) + 2
+        heads = "".join(f"{'device' if pl == DEVICE else 'host':>11}" for pl in places)
+        lines = [header, f"  {'':<{width}}{heads}"]
+        for name, cells, detail in rows:
+            lines.append(f"  {name:<{width}}" + "".join(f"{c:>11}" for c in cells) + f"  {detail}")
+        return "\n".join(line.rstrip() for line in lines)
+
+    def to_dict(self) -> dict:
+        return {
+            **asdict(self),
+            "peaks": {place: self.peaks(place) for place in self.places()},
+        }
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+
+    def check(self) -> None:
+        """Raise MemoryPlanError (one line) when a peak exceeds its budget."""
+        for place, budget in ((DEVICE, self.device_budget), (HOST, self.host_budget)):
+            if place not in self.places() or not budget or self.peak(place) <= budget:
+                continue
+            need = self.peak(place)
+            what = "host RAM" if place == HOST else f"{self.device} memory"
+            flag = "--host-memory" if place == HOST else "--device-memory"
+            fits = [o for o in self.options if need - o["saves"].get(place, 0) <= budget]
+            others = [o for o in self.options if o not in fits and o["saves"].get(place, 0) > 0]
+            if fits:
+                advice = "it would fit with " + " or ".join(_option(o, place) for o in fits)
+            elif others:
+                together = sum(o["saves"].get(place, 0) for o in others)
+                advice = "these together save " + _gib(together) + ": "
+                advice += ", ".join(_option(o, place) for o in others)
+            else:
+                advice = "no option here shrinks it enough; use a machine with more memory"
+            raise MemoryPlanError(
+                f"memory plan: the run needs {_gib(need)} of {what}, the limit is {_gib(budget)}; "
+                f"{advice} ({flag} GIB sets the limit)"
+            )
+
+
+def _gib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _option(option: dict, place: str) -> str:
+    return f"{option['name']} ({option['how']}, -{_gib(option['saves'][place])})"
+
+
+# --- the parts ------------------------------------------------------------------------------
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _unique(tensors) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype).removeprefix("torch.")
+    )
+
+
+def _dtypes(tensors, dtype_of: Callable) -> str:
+    return "/".join(sorted({_dtype_name(dtype_of(t)) for t in tensors})) or "-"
+
+
+@dataclass
+class Precision:
+    """What the precision setting and the strategy make of the weights' dtypes."""
+
+    true_dtype: torch.dtype | None  # "bf16-true" etc.: the whole module is cast
+    master_weights: bool  # DeepSpeed under mixed precision: 16-bit module + fp32 master copy
+    half: torch.dtype | None  # the 16-bit dtype of that module
+
+    def weight_dtype(self, t: torch.Tensor, trainable: bool) -> torch.dtype:
+        if not t.is_floating_point():
+            return t.dtype
+        if self.true_dtype is not None:
+            return self.true_dtype
+        if self.master_weights and trainable:
+            return self.half
+        return t.dtype
+
+
+def _precision(trainer) -> Precision:
+    name = str(trainer.precision)
+    half = {"bf16": torch.bfloat16, "16": torch.float16}.get(name.split("-")[0])
+    true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
+    deepspeed = hasattr(trainer.strategy, "zero_stage_3")
+    return Precision(true_dtype.get(name), deepspeed and name.endswith("-mixed"), half)
+
+
+@dataclass
+class Sharding:
+    """How many ranks share each part, and what lives in host RAM (offloading)."""
+
+    weights: int = 1
+    gradients: int = 1
+    optimizer: int = 1
+    optimizer_on_host: bool = False
+    weights_on_host: bool = False
+    buckets: int = 0  # DeepSpeed's gradient reduction buffers, values
+    full_state_dict_gather: bool = False  # FSDP writes a full checkpoint gathered on rank 0
+    name: str = "single device"
+
+
+def _sharding(strategy, world: int, local: int) -> Sharding:
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy):
+        zero = (strategy.config or {}).get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+        offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+        offload_params = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+        buckets = 0
+        if stage in (1, 2) and zero.get("contiguous_gradients"):
+            # Gradient reduction buffers of `reduce_bucket_size` values, two with overlap_comm
+            # (deepspeed.runtime.zero.stage_1_and_2 `setup_buckets`): whatever the model's size.
+            copies = 2 if zero.get("overlap_comm") else 1
+            buckets = int(zero.get("reduce_bucket_size", 0)) * copies
+        return Sharding(
+            weights=world if stage >= 3 else 1,
+            gradients=world if stage >= 2 else 1,
+            optimizer=world if stage >= 1 else 1,
+            optimizer_on_host=offload,
+            weights_on_host=offload_params,
+            buckets=buckets,
+            name=f"DeepSpeed ZeRO-{stage}" + (" + optimizer offload" if offload else ""),
+        )
+    if isinstance(strategy, FSDPStrategy):
+        kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
+        shards = {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "HYBRID_SHARD": local}.get(kind, 1)
+        offload = bool(getattr(strategy.cpu_offload, "offload_params", False))
+        return Sharding(
+            weights=shards if kind in ("FULL_SHARD", "HYBRID_SHARD") else 1,
+            gradients=shards,
+            optimizer=shards,
+            optimizer_on_host=offload,
+            weights_on_host=offload,
+            full_state_dict_gather=getattr(strategy, "_state_dict_type", "full") == "full",
+            name=f"FSDP {kind}" + (" + CPU offload" if offload else ""),
+        )
+    return Sharding(name="DDP" if world > 1 else "single device")
+
+
+def _optimizers(configured) -> list[torch.optim.Optimizer]:
+    """The optimizers of any return value of `configure_optimizers`."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return [configured]
+    if isinstance(configured, dict):
+        return _optimizers(configured.get("optimizer"))
+    if isinstance(configured, (list, tuple)):
+        return [o for item in configured for o in _optimizers(item)]
+    return []
+
+
+def optimizer_state_bytes(
+    optimizer: torch.optim.Optimizer, dtype_of: Callable, master_weights: bool = False
+) -> tuple[int, str]:
+    """(bytes, description) of the state `optimizer` keeps for its parameters.
+
+    `dtype_of(param)`: the dtype training keeps the parameter in (torch's optimizers keep their
+    moments in it). With `master_weights` (DeepSpeed mixed precision) the moments and a master
+    copy of each weight are fp32.
+    """
+    name = type(optimizer).__name__
+    params = _unique(p for group in optimizer.param_groups for p in group["params"])
+    if type(optimizer).__module__.startswith("bitsandbytes"):
+        states = 1 if any(k in name for k in ("Lion", "SGD", "Momentum", "RMSprop")) else 2
+        args = getattr(optimizer, "args", None)
+        min_size = getattr(args, "min_8bit_size", BNB_MIN_8BIT_SIZE)
+        eight_bit = "8bit" in name
+        total = 0
+        for p in params:
+            if eight_bit and p.numel() >= min_size:
+                total += states * (p.numel() + math.ceil(p.numel() / BNB_BLOCK) * 4)
+            else:
+                total += states * p.numel() * 4
+        what = "8-bit" if eight_bit else "fp32"
+        return total, f"{name}, {states} {what} moments"
+    if name == "SGD":
+        momentum = any(group.get("momentum", 0) for group in optimizer.param_groups)
+        states, assumed = int(momentum), ""
+    else:
+        states = STATES_PER_WEIGHT.get(name)
+        assumed = "" if states is not None else " (assumed like AdamW)"
+        states = 2 if states is None else states
+        states += any(group.get("amsgrad") for group in optimizer.param_groups)
+    if master_weights:
+        total = (states + 1) * sum(p.numel() for p in params) * 4
+        return total, f"{name}, {states} fp32 moments + fp32 master weights{assumed}"
+    total = states * sum(p.numel() * torch.finfo(dtype_of(p)).bits // 8 for p in params)
+    return total, f"{name}, {states} {_dtypes(params, dtype_of)} moments{assumed}"
+
+
+def _frozen_parts(model: torch.nn.Module, precision: Precision, trainable_ids: set) -> list[Part]:
+    """One part per top-level module with frozen weights or buffers, in their dtypes."""
+
+    def dtype_of(t):
+        return precision.weight_dtype(t, trainable=False)
+
+    parts = []
+    groups = [("buffers of the module", [*model.buffers(recurse=False)])]
+    for name, child in model.named_children():
+        tensors = [p for p in child.parameters() if id(p) not in trainable_ids]
+        groups.append((name, tensors + list(child.buffers())))
+    for name, tensors in groups:
+        tensors = _unique(tensors)
+        nbytes = sum(t.numel() * _size(dtype_of(t)) for t in tensors)
+        if nbytes:
+            count = sum(t.numel() for t in tensors)
+            detail = f"{count / 1e6:.1f} M values, {_dtypes(tensors, dtype_of)}"
+            parts.append(Part(f"frozen: {name}", nbytes, DEVICE, detail))
+    return parts
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _ema_part(trainer, model, precision: Precision) -> Part | None:
+    from lun.callbacks.ema import find_ema
+
+    ema = find_ema(trainer)
+    if ema is None:
+        return None
+    params = [p for p in model.ema_module.parameters() if p.requires_grad]
+    count = sum(p.numel() for p in params)
+    staging = sum(p.numel() * _size(precision.weight_dtype(p, True)) for p in params)
+    detail = f"fp32 shadows {_gib(count * 4)} + staging {_gib(staging)}, every {ema.update_every}"
+    return Part(
+        "EMA", count * 4 + staging, HOST, detail + (" step" if ema.update_every == 1 else " steps")
+    )
+
+
+def _checkpoint_save_part(trainer, weights: int, optimizer: int, ema: int, sharding) -> Part:
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    if isinstance(trainer.strategy.checkpoint_io, AsyncCheckpointIO):
+        return Part(
+            CHECKPOINT_SAVE,
+            weights + optimizer + ema,
+            HOST,
+            "AsyncCheckpointIO snapshots the whole checkpoint",
+        )
+    if sharding.full_state_dict_gather and sharding.weights > 1:
+        return Part(
+            CHECKPOINT_SAVE,
+            weights * sharding.weights + optimizer * sharding.optimizer,
+            HOST,
+            "FSDP gathers the full state on rank 0 (state_dict_type: sharded avoids it)",
+        )
+    return Part(CHECKPOINT_SAVE, 0, HOST, "streams the tensors that exist")
+
+
+def _process_part(model) -> Part:
+    """Resident memory of this process besides the model's tensors in CPU memory."""
+    cpu_tensors = _unique(
+        t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"
+    )
+    rss = psutil.Process().memory_info().rss
+    return Part("process", max(rss - _nbytes(cpu_tensors), 0), HOST, "Python, libraries, data")
+
+
+# --- activations ----------------------------------------------------------------------------
+@contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Kineto writes a line straight to file descriptor 2 when the profiler starts and stops."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+def peak_allocated(fn: Callable[[], object], device: torch.device) -> int:
+    """Peak bytes of tensors allocated on `device` while `fn` runs, above those live before it.
+
+    On an accelerator the allocator keeps the peak; on the CPU, torch's profiler records every
+    allocation and free (the allocations themselves, not the resident set, which a heap that
+    keeps freed blocks hides).
+    """
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+        torch.accelerator.reset_peak_memory_stats(device)
+        before = torch.accelerator.memory_allocated(device)
+        fn()
+        torch.accelerator.synchronize(device)
+        return torch.accelerator.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        profiler.__enter__()
+    try:
+        fn()
+    finally:
+        with _quiet_native_stderr():
+            profiler.__exit__(None, None, None)
+    events = [
+        e
+        for e in profiler.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+@contextmanager
+def _same_random_streams(device: torch.device) -> Iterator[None]:
+    """The probe draws noise, timesteps and dropout: the run's random streams stay untouched."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    devices = [device] if device.type != "cpu" else []
+    try:
+        with torch.random.fork_rng(devices=devices, device_type=device.type):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy_state)
+
+
+def probe_batch(data) -> dict | None:
+    """One training batch at the largest bucket and the batch size, from the first item of the
+    training set (resized: only its shape matters), or None when the data cannot tell."""
+    dataset = getattr(data, "datasets", {}).get("train")
+    if dataset is None or not hasattr(dataset, "__getitem__"):
+        return None
+    item = dataset[0]
+    sizes = getattr(dataset, "bucket_sizes", None)
+    if sizes and isinstance(item.get("image"), torch.Tensor):
+        width, height = max(sizes, key=lambda wh: wh[0] * wh[1])
+        image = item["image"].unsqueeze(0)
+        item = {**item, "image": F.interpolate(image, size=(height, width), mode="nearest")[0]}
+    batch_size = data.batch_size("train") if hasattr(data, "batch_size") else 1
+    return torch.utils.data.default_collate([item] * batch_size)
+
+
+def measure_activations(model, batch, trainer) -> int:
+    """Peak activation memory of one training step (forward and backward) on the run's device,
+    without the gradients; the weights, random streams and gradients are left as they were."""
+    device = trainer.strategy.root_device
+    was = next(model.parameters()).device
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    name = str(trainer.precision)
+    true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(name)
+    with _same_random_streams(device), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log without a trainer
+        model.to(device)
+        batch = _to(batch, device)
+        if true_dtype is not None:  # the module is cast when training starts; autocast is close
+            context = torch.autocast(device.type, dtype=true_dtype)
+        else:
+            context = trainer.precision_plugin.forward_context()
+
+        def step():
+            with context:
+                out = model.training_step(batch, 0)
+            loss = out["loss"] if isinstance(out, dict) else out
+            loss.backward()
+
+        try:
+            peak = peak_allocated(step, device)
+        finally:
+            model.zero_grad(set_to_none=True)
+            model.to(was)
+    gradients = sum(p.numel() * p.element_size() for p in trainable)
+    return max(peak - gradients, 0)
+
+
+def _to(batch, device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+# --- budgets --------------------------------------------------------------------------------
+def host_memory_budget() -> int:
+    """This machine's RAM, or the container's (cgroup) limit when lower: what the kernel's
+    out-of-memory killer enforces."""
+    budget = psutil.virtual_memory().total
+    for limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            budget = min(budget, int(text))
+    return budget
+
+
+def device_memory_budget(device: torch.device) -> int | None:
+    if device.type == "cpu":
+        return None
+    return torch.accelerator.get_memory_info(device)[1]
+
+
+# --- the plan -------------------------------------------------------------------------------
+def memory_plan(
+    model,
+    trainer,
+    batch=None,
+    host_budget: int | None = None,
+    device_budget: int | None = None,
+    activations: int | None = None,
+) -> MemoryPlan:
+    """The plan of training `model` with `trainer` (built, not yet fitted).
+
+    `batch`: the probe batch (see `probe_batch`); its step's activations are measured unless
+    `activations` is given. Budgets default to this machine's (`host_memory_budget`, the device's
+    total memory).
+    """
+    device = trainer.strategy.root_device
+    world = trainer.num_devices * trainer.num_nodes
+    local = trainer.num_devices
+    precision = _precision(trainer)
+    sharding = _sharding(trainer.strategy, world, local)
+    trainable = _unique(p for p in model.parameters() if p.requires_grad)
+    trainable_ids = {id(p) for p in trainable}
+
+    def dtype_of(p):
+        return precision.weight_dtype(p, trainable=True)
+
+    weights = sum(p.numel() * _size(dtype_of(p)) for p in trainable)
+    count = sum(p.numel() for p in trainable)
+    where = HOST if sharding.weights_on_host else DEVICE
+    parts = [
+        Part(
+            "weights (trainable)",
+            weights // sharding.weights,
+            where,
+            f"{count / 1e6:.1f} M values, {_dtypes(trainable, dtype_of)}"
+            + _shared(sharding.weights),
+        ),
+        Part(
+            GRADIENTS,
+            weights // sharding.gradients,
+            where,
+            _dtypes(trainable, dtype_of) + _shared(sharding.gradients),
+        ),
+    ]
+    optimizer_total = 0
+    for i, optimizer in enumerate(_optimizers(model.configure_optimizers())):
+        nbytes, detail = optimizer_state_bytes(optimizer, dtype_of, precision.master_weights)
+        optimizer_total += nbytes // sharding.optimizer
+        place = HOST if sharding.optimizer_on_host else DEVICE
+        label = "optimizer state" + (f" {i + 1}" if i else "")
+        parts.append(
+            Part(label, nbytes // sharding.optimizer, place, detail + _shared(sharding.optimizer))
+        )
+    if sharding.buckets:
+        size = _size(dtype_of(trainable[0]))
+        detail = f"{sharding.buckets / 1e6:.0f} M values (reduce_bucket_size)"
+        parts.append(Part("DeepSpeed buckets", sharding.buckets * size, DEVICE, detail))
+    parts += _frozen_parts(model, precision, trainable_ids)
+    if activations is None:
+        activations = measure_activations(model, batch, trainer) if batch is not None else 0
+    parts.append(Part(ACTIVATIONS, activations, DEVICE, "measured by one probe step"))
+    ema = _ema_part(trainer, model, precision)
+    if ema is not None:
+        parts.append(ema)
+    largest = max(
+        (
+            t.numel() * _size(precision.weight_dtype(t, t.requires_grad))
+            for t in model.state_dict(keep_vars=True).values()
+        ),
+        default=0,
+    )
+    parts.append(
+        _checkpoint_save_part(
+            trainer,
+            weights // sharding.weights,
+            optimizer_total,
+            ema.nbytes if ema else 0,
+            sharding,
+        )
+    )
+    parts.append(Part(CHECKPOINT_READ, largest, HOST, "a resume reads one tensor at a time"))
+    parts.append(_process_part(model))
+    if device.type == "cpu":
+        for part in parts:
+            part.place = HOST
+    plan = MemoryPlan(
+        parts,
+        str(device),
+        local_ranks=local,
+        host_budget=host_budget if host_budget is not None else host_memory_budget(),
+        device_budget=device_budget if device_budget is not None else device_memory_budget(device),
+    )
+    plan.options = _options(plan, model, trainer, batch, sharding)
+    return plan
+
+
+def _shared(ranks: int) -> str:
+    return f", 1/{ranks} per rank" if ranks > 1 else ""
+
+
+def _eight_bit_bytes(optimizer) -> int:
+    """What bitsandbytes' AdamW8bit would keep for `optimizer`'s parameters."""
+    params = _unique(p for group in optimizer.param_groups for p in group["params"])
+    return sum(
+        2 * (p.numel() + math.ceil(p.numel() / BNB_BLOCK) * 4)
+        if p.numel() >= BNB_MIN_8BIT_SIZE
+        else 2 * p.numel() * 4
+        for p in params
+    )
+
+
+def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> list[dict]:
+    """What would shrink the plan, each with the memory it saves per place (a machine's host RAM
+    counts all its processes): the options a user has in this trainer's configs."""
+    parts = {p.name: p for p in plan.parts}
+
+    def saves(*shares: tuple[str, float]) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for name, fraction in shares:
+            part = parts.get(name)
+            if part is not None:
+                ranks = plan.local_ranks if part.place == HOST else 1
+                out[part.place] = out.get(part.place, 0) + int(part.nbytes * fraction) * ranks
+        return out
+
+    options = []
+    if getattr(getattr(model, "backbone", None), "use_checkpoint", None) is False:
+        options.append(
+            {
+                "name": "gradient checkpointing",
+                "how": "model.params.unet_config.params.use_checkpoint=true",
+                "saves": saves((ACTIVATIONS, CHECKPOINTING_SAVES)),
+            }
+        )
+    optimizers = _optimizers(model.configure_optimizers())
+    if len(optimizers) == 1 and type(optimizers[0]).__name__ in ("Adam", "AdamW"):
+        state = parts["optimizer state"]
+        eight_bit = _eight_bit_bytes(optimizers[0]) // sharding.optimizer
+        if state.nbytes > eight_bit:
+            fraction = 1 - eight_bit / state.nbytes
+            options.append(
+                {
+                    "name": "8-bit AdamW",
+                    "how": "model.params.optimizer_config.target=adamw8bit",
+                    "saves": saves(("optimizer state", fraction)),
+                }
+            )
+    size = _batch_size(batch)
+    if size > 1:
+        accumulate = trainer.accumulate_grad_batches * size
+        options.append(
+            {
+                "name": "batch 1 + accumulation",
+                "how": f"data.params.batch_size=1 lightning.trainer.accumulate_grad_batches={accumulate}",
+                "saves": saves((ACTIVATIONS, 1 - 1 / size)),
+            }
+        )
+    if "EMA" in parts:
+        options.append(
+            {"name": "no EMA", "how": "~lightning.callbacks.ema", "saves": saves(("EMA", 1))}
+        )
+    if plan.device != "cpu" and not sharding.optimizer_on_host:
+        options.append(
+            {
+                "name": "ZeRO-2 optimizer offload",
+                "how": "--base configs/lightning/deepspeed_stage2.yaml",
+                "saves": {DEVICE: parts["optimizer state"].nbytes},
+            }
+        )
+    options.append(
+        {
+            "name": "LoRA",
+            "how": "train adapters instead of the weights",
+            "saves": saves((GRADIENTS, 1), ("optimizer state", 1), ("EMA", 1)),
+        }
+    )
+    return options
+
+
+def _batch_size(batch) -> int:
+    if batch is None:
+        return 1
+    from lun.callbacks.progress import batch_size_of
+
+    return batch_size_of(batch)
+
+
+def plan_run(model, data, trainer, host_gib: float | None = None, device_gib: float | None = None):
+    """The launcher's plan: the probe batch from `data`, budgets in GiB (None: the machine's)."""
+    return memory_plan(
+        model,
+        trainer,
+        probe_batch(data),
+        host_budget=None if host_gib is None else int(host_gib * GiB),
+        device_budget=None if device_gib is None else int(device_gib * GiB),
+    )
