@@ -130,12 +130,15 @@ def check_pickle(path: str | Path, extra_globals: Iterable = ()) -> None:
         _weights_only_load(path, path, extra_globals, mmap=zipfile.is_zipfile(path))
 
 
-def load_file_state(path: str | Path, unsafe: bool = False, extra_globals: Iterable = ()) -> dict:
+def load_file_state(
+    path: str | Path, unsafe: bool = False, extra_globals: Iterable = (), mmap: bool = False
+) -> dict:
     """The raw contents of a `.safetensors` file or a torch pickle (`.ckpt`, `.pt`, `.bin`).
 
     Pickles load with `weights_only=True` and a short allow-list (plus `extra_globals`); a
     checkpoint that needs any other class is refused with its name unless `unsafe=True` (only
-    for files you trust). A damaged file raises ValueError naming it.
+    for files you trust). A damaged file raises ValueError naming it. `mmap`: the tensors of a
+    torch zip file are memory-mapped, read from the file when used.
     """
     path = Path(path)
     if not path.is_file():
@@ -145,9 +148,10 @@ def load_file_state(path: str | Path, unsafe: bool = False, extra_globals: Itera
             return load_file(str(path))
         except SafetensorError as err:  # "incomplete metadata, file not fully covered"
             raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
+    mmap = mmap and zipfile.is_zipfile(path)  # the legacy format cannot be mapped
     if unsafe:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    return _weights_only_load(path, path, extra_globals)
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    return _weights_only_load(path, path, extra_globals, mmap=mmap)
 
 
 # --- torch.distributed.checkpoint folders (sharded FSDP) ------------------------------------

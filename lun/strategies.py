@@ -569,7 +569,7 @@ def check_checkpoint(path: str | Path, unsafe: bool = False) -> None:
         checkpoint.check_pickle(file, records)
 
 
-def load_training_checkpoint(path: str | Path, unsafe: bool = False) -> dict:
+def load_training_checkpoint(path: str | Path, unsafe: bool = False, mmap: bool = False) -> dict:
     """Any training checkpoint as one `{"state_dict": ..., "global_step": ...}` dict in CPU memory.
 
     - a file (DDP, single device, FSDP `state_dict_type: full`): loaded as it is;
@@ -578,11 +578,12 @@ def load_training_checkpoint(path: str | Path, unsafe: bool = False) -> dict:
     - a sharded FSDP folder (`.metadata` + shards): merged with torch.distributed.checkpoint.
 
     The weights come back in the original Stable Diffusion layout. Every pickle is checked with
-    `weights_only=True` (the allow-list of `ldm.checkpoint`) unless `unsafe`.
+    `weights_only=True` (the allow-list of `ldm.checkpoint`) unless `unsafe`. `mmap`: a file's
+    tensors stay in the file until read (a converter reads each once).
     """
     path = Path(path)
     if path.is_file():
-        return checkpoint.load_file_state(path, unsafe=unsafe)
+        return checkpoint.load_file_state(path, unsafe=unsafe, mmap=mmap)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if (path / "latest").is_file() or list(path.glob("*/*model_states.pt")):

@@ -9,6 +9,10 @@ The checkpoint may be a file or the folder that DeepSpeed (any ZeRO stage) or sh
 its shards are merged into one float32 state dict in CPU memory first, so the output is always
 one file in the original layout.
 
+A checkpoint file is memory-mapped and written out one tensor at a time, so converting a
+full-size checkpoint needs little more memory than its largest tensor (`.safetensors` output;
+a `.ckpt` output with --half / --bf16 holds the cast weights).
+
 --ema writes the EMA weights as the model weights; --prune keeps weights only (drops EMA shadows,
 optimizer and loop state); --half / --bf16 store floating weights in fp16 / bf16 (the DDPM schedule
 stays float32).
@@ -22,6 +26,7 @@ import torch
 from ldm import checkpoint
 from ldm.schedule import SCHEDULE_BUFFER_NAMES
 from ldm.util import instantiate_from_config
+from lun.atomic_io import atomic_safetensors_save
 from lun.config import merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
 from lun.strategies import load_training_checkpoint
@@ -52,18 +57,21 @@ def cast_weights(state: dict, dtype) -> dict:
     """Floating weights cast to `dtype` (None: unchanged); the FULL_PRECISION entries are kept."""
     if dtype is None:
         return state
-    return {
-        k: v.to(dtype) if v.is_floating_point() and k not in FULL_PRECISION else v
-        for k, v in state.items()
-    }
+    return {k: v.to(dtype) if _cast(k, v) else v for k, v in state.items()}
+
+
+def _cast(key: str, tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() and key not in FULL_PRECISION
 
 
 def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: bool) -> None:
-    state = cast_weights(state, dtype)
     if path.suffix == ".safetensors":
+        # One tensor at a time, cast as it is written: no copy of the model in memory.
+        dtypes = {k: dtype for k, v in state.items() if _cast(k, v)} if dtype else None
         with writing(path):
-            checkpoint.save_safetensors(state, path, metadata={"format": "pt"})
+            atomic_safetensors_save(state, path, dtypes, metadata={"format": "pt"})
         return
+    state = cast_weights(state, dtype)
     kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}
     tmp = path.with_name(path.name + ".tmp")
     with writing(path):
@@ -187,7 +195,8 @@ def main(argv=None) -> None:
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
-        contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
+        # Memory-mapped: a tensor is read when it is written out (and optimizer state never).
+        contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.out:

@@ -1,13 +1,18 @@
 """scripts/convert.py --half / --bf16: weights are halved, the DDPM schedule is not."""
 
+from pathlib import Path
+
 import convert
 import pytest
 import torch
 from safetensors import safe_open
 
+from ldm import checkpoint
 from ldm.schedule import SCHEDULE_BUFFER_NAMES
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
+from lun.memory import peak_allocated
+from lun.strategies import load_training_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +56,38 @@ def test_half_ckpt_output_keeps_schedule_buffers_float32(tmp_path, tiny_ckpt):
     assert all(torch.equal(written[n], original[n]) for n in SCHEDULE_BUFFER_NAMES)
     assert all(written[n].dtype == torch.float32 for n in SCHEDULE_BUFFER_NAMES)
     assert written["model.diffusion_model.out.2.weight"].dtype == torch.float16
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """Address ranges where this process maps `path` (Linux)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(" " + str(path)):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_converting_holds_one_tensor_at_a_time(tmp_path, tiny_ckpt):
+    """The checkpoint is memory-mapped (its tensors are read from the file when written) and
+    each tensor is cast and written alone: a full-size checkpoint converts in little more
+    memory than its largest tensor."""
+    ckpt, original = tiny_ckpt
+    contents = load_training_checkpoint(ckpt, mmap=True)
+    mapped = file_mappings(ckpt.resolve())
+    for key, tensor in checkpoint.state_dict_of(contents).items():
+        assert any(start <= tensor.data_ptr() < end for start, end in mapped), key
+
+    out = tmp_path / "model.safetensors"
+    state = convert.convert_state(checkpoint.state_dict_of(contents), ema=False, prune=False)
+
+    def write():
+        convert.save_checkpoint_file(state, out, torch.float16, contents, prune=False)
+
+    largest = max(v.numel() * v.element_size() for v in original.values())
+    assert peak_allocated(write, torch.device("cpu")) < 0.6 * largest  # the largest, cast to fp16
+    with safe_open(str(out), framework="pt") as f:
+        assert set(f.keys()) == set(original)
+        for key in f.keys():
+            expected = convert.cast_weights({key: original[key]}, torch.float16)[key]
+            assert torch.equal(f.get_tensor(key), expected), key
