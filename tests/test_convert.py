@@ -11,7 +11,7 @@ from ldm import checkpoint
 from ldm.schedule import SCHEDULE_BUFFER_NAMES
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
-from lun.memory import peak_allocated
+from lun.memory_probe import peak_allocated
 from lun.strategies import load_training_checkpoint
 
 

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from lun.callbacks.ema import EMA
-from lun.memory import HOST, MemoryPlanError, memory_plan, peak_allocated
+from lun.memory import HOST, MemoryPlanError, memory_plan
+from lun.memory_probe import peak_allocated
 from lun.strategies import DeepSpeedStrategy
 
 TRAINABLE = 100 * 50 + 50  # nn.Linear(100, 50)
@@ -153,7 +154,7 @@ class Scale(pl.LightningModule):
 
 
 def test_the_probe_measures_the_activations_of_a_step():
-    from lun.memory import measure_activations
+    from lun.memory_probe import measure_activations
 
     rows, n = 8, 2**16  # gradients (n values) are 1/8 of the activations: leaving them in shows
     trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from lun.atomic_io import AtomicCheckpointIO
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.ema import EMA, ema_weights
-from lun.memory import peak_allocated
+from lun.memory_probe import peak_allocated
 
 
 def reference_decay(warmup: str, decay: float, n: int) -> float:
