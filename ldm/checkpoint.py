@@ -11,6 +11,8 @@ Every key rule lives here (no other file spells a layout prefix):
 - Wrappers: the levels torch.compile, FSDP and activation checkpointing add to parameter names,
   and the "model" level of Lightning's sharded FSDP checkpoints.
 - A VAE file: bare or under `first_stage_model.` of a full checkpoint.
+- A backbone file: the backbone's own names with no prefix (the released DiT `.pt`), or DiT's
+  `train.py` checkpoint (`{"model", "ema", "opt", "args"}`).
 """
 
 import hashlib
@@ -64,6 +66,7 @@ def _numpy_globals() -> list:
 
 # What released SD checkpoints and Lightning checkpoints contain besides tensors and builtins.
 _INERT_NAMES = (
+    "argparse.Namespace",  # the `args` of DiT's train.py checkpoints
     "pytorch_lightning.callbacks.model_checkpoint.ModelCheckpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
 )
@@ -371,7 +374,14 @@ def load_weights(
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
-    state = state_dict_of(load_file_state(path, unsafe=unsafe))
+    contents = load_file_state(path, unsafe=unsafe)
+    bare = bare_backbone_state(contents, model.backbone, ema)
+    if bare is not None:
+        result = model.backbone.load_state_dict(bare, strict=False)
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
+        return bare
+    state = state_dict_of(contents)
     use_ema = has_ema(state) if ema is None else ema
     if use_ema and not has_ema(state):
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none (model_ema.*)")
@@ -381,6 +391,26 @@ def load_weights(
     result = model.load_state_dict(weights, strict=False)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
+    return state
+
+
+def bare_backbone_state(
+    contents: Mapping, backbone: torch.nn.Module, ema: bool | None
+) -> dict | None:
+    """The weights of a file holding the backbone alone under its own names, else None.
+
+    That is the released DiT `.pt` (a flat state dict of the EMA weights: `x_embedder.proj.weight`,
+    `blocks.0.attn.qkv.weight`, ...) or a DiT `train.py` checkpoint, whose `ema` entry is taken
+    (its `model` with ema=False), as DiT's sample.py does. The first stage and the schedule are
+    not in such files: they come from the config.
+    """
+    if isinstance(contents.get("ema"), Mapping) and isinstance(contents.get("model"), Mapping):
+        contents = contents["model"] if ema is False else contents["ema"]
+    state = {k: v for k, v in contents.items() if isinstance(v, torch.Tensor)}
+    own = backbone.state_dict()
+    ours = (BACKBONE_PREFIX, FIRST_STAGE_PREFIX, EMA_PREFIX, "cond_stage_model.", "conditioner.")
+    if any(k.startswith(ours) for k in state) or not set(state) & set(own):
+        return None
     return state
 
 
