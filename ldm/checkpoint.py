@@ -385,7 +385,8 @@ def load_weights(
     use_ema = has_ema(state) if ema is None else ema
     if use_ema and not has_ema(state):
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none (model_ema.*)")
-    unet_names = [n for n, p in model.model.named_parameters()]
+    # EMA shadows exist for trained weights only (LitEma's rule): not DiT's fixed pos_embed.
+    unet_names = [n for n, p in model.model.named_parameters() if p.requires_grad]
     weights = apply_ema(state, unet_names) if use_ema else without_ema(state)
     from_original_layout(weights)
     result = model.load_state_dict(weights, strict=False)

@@ -134,5 +134,8 @@ def test_learned_sigma_model_samples_with_the_eps_half():
     assert model.learn_sigma
     images = model.sample([0, 2], steps=2, scale=3.0, generator=torch.Generator().manual_seed(0))
     assert images.shape == (2, 3, 8, 8) and torch.isfinite(images).all()
+    # guidance against the null class: another image than the conditional model's alone
+    plain = model.sample([0, 2], steps=2, scale=1.0, generator=torch.Generator().manual_seed(0))
+    assert (images - plain).abs().max() > 1e-3
     out = model.predict(torch.randn(1, 3, 8, 8), torch.tensor([5]), {"y": torch.tensor([1])})
     assert out.shape == (1, 3, 8, 8)
