@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ldm.checkpoint import dit_to_diffusers
 from ldm.dit import DiT, DiT_models, DiT_S_2, DiT_XL_2, modulate, sincos_pos_embed_2d
 from ldm.dit_text import TextDiT
 
@@ -99,43 +100,6 @@ def test_unpatchify_inverts_the_patch_layout():
     assert torch.equal(model.unpatchify(tokens, 8, 6), x)
 
 
-def to_diffusers(state: dict, depth: int) -> dict:
-    """The renames of diffusers' scripts/convert_dit_to_diffusers.py (the documented way to turn
-    DiT-XL-2-256x256.pt into a DiTTransformer2DModel): shared embedders copied into every block's
-    norm1.emb, qkv split into to_q/to_k/to_v, final layer to proj_out_1/2. pos_embed is dropped
-    (diffusers computes its table)."""
-    state = dict(state)
-    out = {
-        "pos_embed.proj.weight": state.pop("x_embedder.proj.weight"),
-        "pos_embed.proj.bias": state.pop("x_embedder.proj.bias"),
-        "proj_out_1.weight": state.pop("final_layer.adaLN_modulation.1.weight"),
-        "proj_out_1.bias": state.pop("final_layer.adaLN_modulation.1.bias"),
-        "proj_out_2.weight": state.pop("final_layer.linear.weight"),
-        "proj_out_2.bias": state.pop("final_layer.linear.bias"),
-    }
-    for i in range(depth):
-        new, old = f"transformer_blocks.{i}.", f"blocks.{i}."
-        emb = new + "norm1.emb."
-        for kind in ("weight", "bias"):
-            out[emb + f"timestep_embedder.linear_1.{kind}"] = state[f"t_embedder.mlp.0.{kind}"]
-            out[emb + f"timestep_embedder.linear_2.{kind}"] = state[f"t_embedder.mlp.2.{kind}"]
-            out[new + f"norm1.linear.{kind}"] = state.pop(old + f"adaLN_modulation.1.{kind}")
-            q, k, v = state.pop(old + f"attn.qkv.{kind}").chunk(3, dim=0)
-            out[new + f"attn1.to_q.{kind}"] = q
-            out[new + f"attn1.to_k.{kind}"] = k
-            out[new + f"attn1.to_v.{kind}"] = v
-            out[new + f"attn1.to_out.0.{kind}"] = state.pop(old + f"attn.proj.{kind}")
-            out[new + f"ff.net.0.proj.{kind}"] = state.pop(old + f"mlp.fc1.{kind}")
-            out[new + f"ff.net.2.{kind}"] = state.pop(old + f"mlp.fc2.{kind}")
-        out[emb + "class_embedder.embedding_table.weight"] = state[
-            "y_embedder.embedding_table.weight"
-        ]
-    for key in [k for k in state if k.startswith(("t_embedder.", "y_embedder."))]:
-        del state[key]
-    assert set(state) == {"pos_embed"}, sorted(state)
-    return out
-
-
 def diffusers_dit(num_classes: int):
     """diffusers' DiTTransformer2DModel at TINY's size. Its timestep sinusoids divide the
     exponent by half - 1 (`downscale_freq_shift=1`), the DiT code by half: diffusers' own
@@ -160,11 +124,12 @@ def diffusers_dit(num_classes: int):
 
 
 def test_parity_with_diffusers_dit_transformer():
-    """Same random weights (adaLN-Zero layers non-zero), converted by diffusers' rules: the same
-    eps and variance outputs, for real and null classes."""
+    """Same random weights (adaLN-Zero layers non-zero), converted by diffusers' rules
+    (ldm.checkpoint.dit_to_diffusers, after its scripts/convert_dit_to_diffusers.py): every key
+    of DiTTransformer2DModel filled, the same eps and variance outputs, real and null classes."""
     ours = randomized(DiT(**TINY, num_classes=10)).eval()
     theirs = diffusers_dit(num_classes=10)
-    missing, unexpected = theirs.load_state_dict(to_diffusers(ours.state_dict(), 2), strict=False)
+    missing, unexpected = theirs.load_state_dict(dit_to_diffusers(ours.state_dict()), strict=False)
     assert not unexpected and not missing
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(3, 4, 8, 8, generator=generator)
