@@ -109,3 +109,49 @@ def test_a_released_format_dit_file_samples_through_txt2img(tmp_path):
     args = ["--config", str(tmp_path / "dit.yaml"), "--ckpt", str(tmp_path / "DiT-tiny.pt")]
     txt2img.main([*args, "--class", "2", "--steps", "2", "--outdir", str(tmp_path / "out")])
     assert len(list((tmp_path / "out" / "samples").glob("*.png"))) == 1
+
+
+@pytest.mark.slow
+def test_fsdp_wraps_dit_blocks_and_saves_the_released_names(tmp_path, shape_classes_dir):
+    """A DiT trains under configs/lightning/fsdp-dit.yaml (one CPU process), and the checkpoint
+    keeps the plain names (no wrapper levels)."""
+    preset = ROOT / "configs" / "lightning" / "fsdp-dit.yaml"
+    args = ["--base", str(SHAPES_DIT), str(preset)]
+    args += [f"data.params.train.params.data_root={shape_classes_dir}", *TINY[:-3]]
+    args += ["lightning.trainer.max_steps=2", "lightning.trainer.accelerator=cpu"]
+    args += ["lightning.trainer.devices=1", "lightning.callbacks.image_logger=null"]
+    result = run_main(
+        [*args, "-l", str(tmp_path), "-t"],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    state = load_training_checkpoint(run / "checkpoints" / "last.ckpt")["state_dict"]
+    assert "model.diffusion_model.blocks.0.attn.qkv.weight" in state
+    assert not any("_fsdp_wrapped_module" in k for k in state)
+
+
+def test_the_fsdp_preset_makes_each_dit_block_a_unit(tmp_path):
+    """The preset's wrap policy, applied by torch FSDP (one gloo process): one unit per block."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from ldm.dit import DiT
+    from ldm.util import instantiate_from_config
+
+    preset = OmegaConf.load(ROOT / "configs" / "lightning" / "fsdp-dit.yaml")
+    strategy = instantiate_from_config(OmegaConf.to_container(preset.lightning.strategy))
+    policy = strategy.kwargs["auto_wrap_policy"]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = DiT(input_size=8, patch_size=2, hidden_size=32, depth=3, num_heads=2, num_classes=4)
+        # use_orig_params as Lightning sets it: the frozen pos_embed shares the root unit
+        cpu = torch.device("cpu")
+        wrapped = FSDP(model, auto_wrap_policy=policy, device_id=cpu, use_orig_params=True)
+        units = [name for name, m in wrapped.named_modules() if isinstance(m, FSDP)]
+        assert len(units) == 1 + 3  # the root and each of the 3 blocks
+        assert all(name.endswith(tuple(f"blocks.{i}" for i in range(3))) for name in units[1:])
+    finally:
+        dist.destroy_process_group()
