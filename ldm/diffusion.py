@@ -322,9 +322,8 @@ class LatentDiffusion(pl.LightningModule):
         )
         if self.min_snr_gamma is not None:
             per_sample = per_sample * self.min_snr_weight(t)
-        if (
-            self.learn_sigma
-        ):  # L_hybrid = L_simple + L_vlb, the mean frozen (Nichol & Dhariwal 2021)
+        if self.learn_sigma:
+            # L_hybrid = L_simple + L_vlb with the mean frozen (Nichol & Dhariwal 2021, sec. 3.1)
             out = prediction.detach()
             pred_x0 = (x_t - s * out) / a if self.parameterization == "eps" else a * x_t - s * out
             per_sample = per_sample + vlb.vlb_bits_per_dim(self.betas, z, x_t, t, pred_x0, variance)
