@@ -11,6 +11,8 @@ Every key rule lives here (no other file spells a layout prefix):
 - Wrappers: the levels torch.compile, FSDP and activation checkpointing add to parameter names,
   and the "model" level of Lightning's sharded FSDP checkpoints.
 - A VAE file: bare or under `first_stage_model.` of a full checkpoint.
+- A backbone file: the backbone's own names with no prefix (the released DiT `.pt`), or DiT's
+  `train.py` checkpoint (`{"model", "ema", "opt", "args"}`).
 """
 
 import hashlib
@@ -64,6 +66,7 @@ def _numpy_globals() -> list:
 
 # What released SD checkpoints and Lightning checkpoints contain besides tensors and builtins.
 _INERT_NAMES = (
+    "argparse.Namespace",  # the `args` of DiT's train.py checkpoints
     "pytorch_lightning.callbacks.model_checkpoint.ModelCheckpoint",
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
 )
@@ -375,17 +378,84 @@ def load_weights(
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
-    state = state_dict_of(load_file_state(path, unsafe=unsafe))
+    contents = load_file_state(path, unsafe=unsafe)
+    bare = bare_backbone_state(contents, model.backbone, ema)
+    if bare is not None:
+        result = model.backbone.load_state_dict(bare, strict=False)
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
+        return bare
+    state = state_dict_of(contents)
     use_ema = has_ema(state) if ema is None else ema
     if use_ema and not has_ema(state):
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none (model_ema.*)")
-    unet_names = [n for n, p in model.model.named_parameters()]
+    # EMA shadows exist for trained weights only (LitEma's rule): not DiT's fixed pos_embed.
+    unet_names = [n for n, p in model.model.named_parameters() if p.requires_grad]
     weights = apply_ema(state, unet_names) if use_ema else without_ema(state)
     from_original_layout(weights)
     result = model.load_state_dict(weights, strict=False)
     if strict and (result.missing_keys or result.unexpected_keys):
         raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
     return state
+
+
+def bare_backbone_state(
+    contents: Mapping, backbone: torch.nn.Module, ema: bool | None
+) -> dict | None:
+    """The weights of a file holding the backbone alone under its own names, else None.
+
+    That is the released DiT `.pt` (a flat state dict of the EMA weights: `x_embedder.proj.weight`,
+    `blocks.0.attn.qkv.weight`, ...) or a DiT `train.py` checkpoint, whose `ema` entry is taken
+    (its `model` with ema=False), as DiT's sample.py does. The first stage and the schedule are
+    not in such files: they come from the config.
+    """
+    if isinstance(contents.get("ema"), Mapping) and isinstance(contents.get("model"), Mapping):
+        contents = contents["model"] if ema is False else contents["ema"]
+    state = {k: v for k, v in contents.items() if isinstance(v, torch.Tensor)}
+    own = backbone.state_dict()
+    ours = (BACKBONE_PREFIX, FIRST_STAGE_PREFIX, EMA_PREFIX, "cond_stage_model.", "conditioner.")
+    if any(k.startswith(ours) for k in state) or not set(state) & set(own):
+        return None
+    return state
+
+
+def dit_to_diffusers(state: Mapping) -> dict[str, torch.Tensor]:
+    """A DiT state dict (facebookresearch/DiT names, ours) -> diffusers' DiTTransformer2DModel's.
+
+    The renames of diffusers' scripts/convert_dit_to_diffusers.py: the shared timestep and class
+    embedders are copied into every block's `norm1.emb`, `qkv` is split into `to_q/to_k/to_v`,
+    the final layer becomes `proj_out_1/2`. `pos_embed` is left out: diffusers computes its own
+    table. (diffusers' DiT divides the timestep frequencies by half - 1, DiT's code by half: the
+    outputs differ slightly unless its `time_proj` uses downscale_freq_shift=0.)
+    """
+    state = dict(state)
+    out = {
+        "pos_embed.proj.weight": state.pop("x_embedder.proj.weight"),
+        "pos_embed.proj.bias": state.pop("x_embedder.proj.bias"),
+        "proj_out_1.weight": state.pop("final_layer.adaLN_modulation.1.weight"),
+        "proj_out_1.bias": state.pop("final_layer.adaLN_modulation.1.bias"),
+        "proj_out_2.weight": state.pop("final_layer.linear.weight"),
+        "proj_out_2.bias": state.pop("final_layer.linear.bias"),
+    }
+    depth = len({k.split(".")[1] for k in state if k.startswith("blocks.")})
+    for i in range(depth):
+        new, old = f"transformer_blocks.{i}.", f"blocks.{i}."
+        emb = new + "norm1.emb."
+        for kind in ("weight", "bias"):
+            out[emb + f"timestep_embedder.linear_1.{kind}"] = state[f"t_embedder.mlp.0.{kind}"]
+            out[emb + f"timestep_embedder.linear_2.{kind}"] = state[f"t_embedder.mlp.2.{kind}"]
+            out[new + f"norm1.linear.{kind}"] = state.pop(old + f"adaLN_modulation.1.{kind}")
+            q, k, v = state.pop(old + f"attn.qkv.{kind}").chunk(3, dim=0)
+            out.update({new + f"attn1.to_{n}.{kind}": w for n, w in zip("qkv", (q, k, v))})
+            out[new + f"attn1.to_out.0.{kind}"] = state.pop(old + f"attn.proj.{kind}")
+            out[new + f"ff.net.0.proj.{kind}"] = state.pop(old + f"mlp.fc1.{kind}")
+            out[new + f"ff.net.2.{kind}"] = state.pop(old + f"mlp.fc2.{kind}")
+        table = state["y_embedder.embedding_table.weight"]
+        out[emb + "class_embedder.embedding_table.weight"] = table
+    left = sorted(k for k in state if not k.startswith(("t_embedder.", "y_embedder.")))
+    if left != ["pos_embed"]:
+        raise KeyError(f"not a DiT state dict: {left[:3]} left over")
+    return out
 
 
 def load_first_stage(vae: torch.nn.Module, path: str | Path, ignore_keys=()) -> None:

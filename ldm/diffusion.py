@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ldm import checkpoint, sampling
+from ldm import checkpoint, sampling, vlb
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -146,6 +146,8 @@ class LatentDiffusion(pl.LightningModule):
         # Image sides must survive the first stage's and then the backbone's downsampling.
         self.size_multiple = self.downscale * backbone.size_multiple
         self.latent_size = backbone.image_size or 64  # default sample size, in latent pixels
+        # A learn_sigma backbone (DiT) also outputs the variance interpolation (ldm.vlb).
+        self.learn_sigma = getattr(backbone, "learn_sigma", False)
 
     @property
     def backbone(self) -> nn.Module:
@@ -224,6 +226,14 @@ class LatentDiffusion(pl.LightningModule):
         if self.channels_last:
             x_t = x_t.contiguous(memory_format=torch.channels_last)
         return self.model(x_t, t, cond)
+
+    def predict(
+        self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]
+    ) -> torch.Tensor:
+        """eps or v: the backbone's output without a learn_sigma backbone's variance half (the
+        samplers use their own variances)."""
+        out = self.apply_model(x_t, t, cond)
+        return out[:, : self.latent_channels] if self.learn_sigma else out
 
     # --- training ----------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -305,11 +315,18 @@ class LatentDiffusion(pl.LightningModule):
         )  # v = sqrt(abar) eps - sqrt(1-abar) x0
 
         prediction = self.apply_model(x_t, t, cond)
+        if self.learn_sigma:  # eps (or v), then the variance interpolation
+            prediction, variance = prediction.chunk(2, dim=1)
         per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
             dim=(1, 2, 3)
         )
         if self.min_snr_gamma is not None:
             per_sample = per_sample * self.min_snr_weight(t)
+        if self.learn_sigma:
+            # L_hybrid = L_simple + L_vlb with the mean frozen (Nichol & Dhariwal 2021, sec. 3.1)
+            out = prediction.detach()
+            pred_x0 = (x_t - s * out) / a if self.parameterization == "eps" else a * x_t - s * out
+            per_sample = per_sample + vlb.vlb_bits_per_dim(self.betas, z, x_t, t, pred_x0, variance)
         return per_sample.mean(), per_sample.detach(), t
 
     def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
@@ -375,7 +392,7 @@ class LatentDiffusion(pl.LightningModule):
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
         latents = sampling.sample(
-            self.apply_model,
+            self.predict,
             noise,
             self.alphas_cumprod,
             sampler=sampler,

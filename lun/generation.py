@@ -37,6 +37,14 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     """The flags txt2img and img2img share (names as in the original SD scripts)."""
     parser.add_argument("--prompt", default="a painting of a virus monster playing guitar")
     parser.add_argument("--from-file", help="one prompt per line (overrides --prompt)")
+    parser.add_argument(
+        "--class",
+        dest="classes",
+        type=int,
+        nargs="+",
+        help="class ids to draw instead of prompts, for a class-conditional model (DiT; "
+        "ImageNet: 207 = golden retriever); guidance is against the null class",
+    )
     parser.add_argument("--negative-prompt", default="", help="what the image should not show")
     parser.add_argument("--outdir", default="outputs/txt2img-samples")
     parser.add_argument("--steps", "--ddim_steps", dest="steps", type=int, default=50)
@@ -171,7 +179,10 @@ def load_model(args) -> torch.nn.Module:
     return model.eval().to(pick_device(args.device))
 
 
-def read_prompts(args) -> list[str]:
+def read_prompts(args) -> list[str | int]:
+    """The prompts to draw, or the class ids of `--class`."""
+    if getattr(args, "classes", None):
+        return list(args.classes)
     if args.from_file:
         return [
             line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()
@@ -199,7 +210,7 @@ def a1111_parameters(
         "Model hash": model_hash,
         **(extra or {}),
     }
-    lines = [prompt]
+    lines = [prompt if isinstance(prompt, str) else f"class {prompt}"]
     if negative:
         lines.append(f"Negative prompt: {negative}")
     lines.append(", ".join(f"{k}: {v}" for k, v in fields.items()))
@@ -264,10 +275,12 @@ def generate(
                 if init_images is None
                 else init_images.to(device).expand(args.n_samples, -1, -1, -1)
             )
+            # A class's unconditional side is the null class; a prompt's the negative prompt.
+            negative = [args.negative_prompt] * args.n_samples if isinstance(prompt, str) else None
             with torch.no_grad(), autocast:
                 images = model.sample(
                     [prompt] * args.n_samples,
-                    [args.negative_prompt] * args.n_samples,
+                    negative,
                     height=height,
                     width=width,
                     sampler=args.sampler,

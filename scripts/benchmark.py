@@ -16,6 +16,12 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - sampling: seconds per 256x256 image with classifier-free guidance, 20-step DPM++ 2M and
   50-step DDIM, our sampler vs diffusers' StableDiffusionPipeline on the same converted weights.
 - data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 1024 px JPEG -> 512).
+- dit: one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4 latents = 256 px images, 1000
+  classes, learned sigma) against diffusers' DiTTransformer2DModel holding the same weights
+  (ldm.checkpoint.dit_to_diffusers), both with the same fused AdamW, taking turns; fp32, and
+  bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per image
+  (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4) and
+  the achieved share of the measured matmul peak.
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -341,6 +347,98 @@ def sampling_section(args, device) -> list[str]:
     return rows
 
 
+def cpu_has_bf16() -> bool:
+    """AVX512-bf16 or AMX: without them bf16 matmuls on CPU are emulated and many times slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def build_dits(preset: str, device):
+    """Our DiT preset and diffusers' DiTTransformer2DModel of the same size and weights."""
+    from diffusers import DiTTransformer2DModel
+
+    from ldm import dit
+
+    torch.manual_seed(0)
+    ours = getattr(dit, preset)(input_size=LATENT, num_classes=1000)
+    width, heads = ours.pos_embed.shape[-1], ours.blocks[0].attn.num_heads
+    theirs = DiTTransformer2DModel(
+        num_attention_heads=heads,
+        attention_head_dim=width // heads,
+        in_channels=4,
+        out_channels=8,
+        num_layers=len(ours.blocks),
+        sample_size=LATENT,
+        patch_size=ours.patch_size,
+        num_embeds_ada_norm=1000,
+        norm_eps=1e-6,
+    )
+    theirs.load_state_dict(checkpoint.dit_to_diffusers(ours.state_dict()))
+    return ours.to(device).train(), theirs.to(device).train()
+
+
+def dit_train_step(run, model, optimizer, target, dtype) -> None:
+    with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = F.mse_loss(run(model).float(), target)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def dit_section(args, device) -> list[str]:
+    rows = [
+        "| DiT train step (batch 4, 32x32x4) | dtype | img/s | vs diffusers | fwd GFLOP/img | TFLOP/s | of matmul peak |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g).to(device)
+    t = torch.randint(0, 1000, (BATCH,), generator=g).to(device)
+    y = torch.randint(0, 1000, (BATCH,), generator=g).to(device)
+    target = torch.randn(BATCH, 8, LATENT, LATENT, generator=g).to(device)
+    runs = {
+        "ours": lambda m: m(x, t, {"y": y}),
+        "diffusers": lambda m: m(x, timestep=t, class_labels=y).sample,
+    }
+    dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
+    for preset in ("DiT_S_2", "DiT_B_2"):
+        models = dict(zip(("ours", "diffusers"), build_dits(preset, device)))
+        flops, forward_flops = {}, {}
+        for label, model in models.items():
+            with FlopCounterMode(display=False) as counter:
+                out = runs[label](model)
+            forward_flops[label] = counter.get_total_flops()
+            with FlopCounterMode(display=False) as counter:
+                F.mse_loss(runs[label](model).float(), target).backward()
+            flops[label] = counter.get_total_flops()
+            model.zero_grad(set_to_none=True)
+            del out
+        optimizers = {
+            label: build_optimizer(m.parameters(), lr=1e-4) for label, m in models.items()
+        }
+        for name in dtypes:
+            dtype, peak = DTYPES[name], matmul_peak(device, DTYPES[name])
+            steps = {
+                label: lambda r=runs[label], m=models[label], o=optimizers[label], d=dtype: (
+                    dit_train_step(r, m, o, target, d)
+                )
+                for label in ("diffusers", "ours")
+            }
+            results = alternated_median_seconds(steps, device, args.steps, args.warmup)
+            for label in ("diffusers", "ours"):
+                achieved = flops[label] / results[label]
+                rows.append(
+                    f"| {preset.replace('_', '-', 1).replace('_', '/')} {label} | {name} | "
+                    f"{BATCH / results[label]:.2f} | {results['diffusers'] / results[label]:.2f}x | "
+                    f"{forward_flops[label] / BATCH / 1e9:.1f} | {achieved / 1e12:.3f} | "
+                    f"{achieved / peak:.0%} |"
+                )
+                print(rows[-1], flush=True)
+    return rows
+
+
 def data_section(args) -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from benchmark_data import loader_table
@@ -358,8 +456,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["train", "memory", "sampling", "data"],
-        default=["train", "memory", "sampling", "data"],
+        choices=["train", "memory", "sampling", "data", "dit"],
+        default=["train", "memory", "sampling", "data", "dit"],
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument(
@@ -383,7 +481,12 @@ def main() -> None:
         f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}",
         flush=True,
     )
-    sections = {"train": train_section, "memory": memory_section, "sampling": sampling_section}
+    sections = {
+        "train": train_section,
+        "memory": memory_section,
+        "sampling": sampling_section,
+        "dit": dit_section,
+    }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:
         tables.append(data_section(args))

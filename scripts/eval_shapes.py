@@ -17,7 +17,9 @@ would blur the score. On the training images themselves it is right every time:
    area / (height x width), with height the largest column sum and width the largest row sum,
    tells a square (1) from a circle (pi/4 = 0.79).
 
-Prints colour accuracy, shape accuracy and the share of images with both right.
+Prints colour accuracy, shape accuracy and the share of images with both right. A
+class-conditional model (trained on `make_shapes.py --layout classes`, e.g.
+configs/dit/shapes-dit.yaml) is asked for each colour-shape class instead of a prompt.
 """
 
 import argparse
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_shapes import SHAPE_COLORS, SHAPES, article  # noqa: E402
+from make_shapes import SHAPE_COLORS, SHAPES, article, class_names  # noqa: E402
 
 # A pixel belongs to the foreground when it is this far (RGB distance, 0-255 scale) from the
 # background: 3x the spread of the textured backgrounds' noise (std 12 per channel -> ~21 in
@@ -184,6 +186,8 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
     latent_shape = model.latent_shape(size, size)
     noise = starting_noise(list(range(args.seed, args.seed + args.n)), latent_shape, model.device)
     prompts = prompts_to_score(args.template)
+    if model.conditioner.input_key == "label":  # class-conditional (DiT on --layout classes)
+        prompts = [(class_names().index(f"{c}-{s}"), c, s) for _, c, s in prompts]
     per_batch = max(1, args.batch_size // args.n)  # prompts per sampling batch
     images = []
     for first in range(0, len(prompts), per_batch):
@@ -210,7 +214,8 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
             scores.add(reading, color, shape)
         counts = Counter(f"{r.color} {r.shape}" if r.color else "no shape" for r in seen)
         counts = counts.most_common(3)
-        lines.append(f"  {prompt:28s} seen: " + ", ".join(f"{k} x{v}" for k, v in counts))
+        name = prompt if isinstance(prompt, str) else f"class {prompt} ({color} {shape})"
+        lines.append(f"  {name:28s} seen: " + ", ".join(f"{k} x{v}" for k, v in counts))
     return scores, images, lines
 
 

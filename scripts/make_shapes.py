@@ -3,7 +3,9 @@
     python scripts/make_shapes.py --out data/shapes --n 2000 --size 32 --seed 0
 
 Writes the flat-file layout of `lun.data.local.Local`: `images/NNNNN.png` and
-`captions/NNNNN.txt` ("a red circle on a blue background", with some wording variety).
+`captions/NNNNN.txt` ("a red circle on a blue background", with some wording variety); with
+`--layout classes`, the class-folder layout of `lun.data.class_folder.ClassFolder` instead:
+`<colour>-<shape>/NNNNN.png`, 18 classes (for class-conditional models such as DiT).
 One shape per image, axis-aligned, 50-85 % of the image side, anywhere fully inside it.
 Shapes are drawn at 4x the size and box-filtered down, so small images get smooth edges
 rather than staircases. `scripts/eval_shapes.py` reads colour and shape back from pixels.
@@ -96,22 +98,36 @@ def make_caption(
     return template.format(a=article(color), color=color, shape=shape, background=background)
 
 
-def make_shapes(out: Path, n: int, size: int, seed: int) -> list[ShapeImage]:
-    """Write n images and captions under `out`; returns what each image shows."""
+def class_names() -> list[str]:
+    """The 18 class folders of `--layout classes`, in class-id order (sorted, as ClassFolder)."""
+    return sorted(f"{color}-{shape}" for color in SHAPE_COLORS for shape in SHAPES)
+
+
+def make_shapes(
+    out: Path, n: int, size: int, seed: int, layout: str = "captions"
+) -> list[ShapeImage]:
+    """Write n images and captions under `out` (or n images in class folders, layout "classes");
+    returns what each image shows."""
     rng = random.Random(seed)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    (out / "captions").mkdir(parents=True, exist_ok=True)
+    if layout == "classes":
+        for name in class_names():
+            (out / name).mkdir(parents=True, exist_ok=True)
+    else:
+        (out / "images").mkdir(parents=True, exist_ok=True)
+        (out / "captions").mkdir(parents=True, exist_ok=True)
     written = []
     for i in range(n):
         color, shape = rng.choice(list(SHAPE_COLORS)), rng.choice(SHAPES)
         background = rng.choice(list(BACKGROUNDS))
         textured = rng.random() < TEXTURED_FRACTION
         name = f"{i:05d}"
-        make_image(rng, size, color, shape, background, textured).save(
-            out / "images" / f"{name}.png"
-        )
+        image = make_image(rng, size, color, shape, background, textured)
         caption = make_caption(rng, color, shape, background, textured)
-        (out / "captions" / f"{name}.txt").write_text(caption)
+        if layout == "classes":
+            image.save(out / f"{color}-{shape}" / f"{name}.png")
+        else:
+            image.save(out / "images" / f"{name}.png")
+            (out / "captions" / f"{name}.txt").write_text(caption)
         written.append(ShapeImage(name, color, shape, background, textured, caption))
     return written
 
@@ -124,8 +140,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2000, help="number of images")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--layout",
+        choices=("captions", "classes"),
+        default="captions",
+        help="images + captions (Local), or one folder per colour-shape class (ClassFolder)",
+    )
     args = parser.parse_args()
-    make_shapes(Path(args.out), args.n, args.size, args.seed)
+    make_shapes(Path(args.out), args.n, args.size, args.seed, args.layout)
     print(f"wrote {args.n} images to {args.out}")
 
 

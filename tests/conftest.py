@@ -32,6 +32,16 @@ def shapes_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def shape_classes_dir(tmp_path_factory) -> Path:
+    """36 generated 16x16 images in 18 class folders (colour-shape), for class-conditional models."""
+    from make_shapes import make_shapes
+
+    out = tmp_path_factory.mktemp("shape_classes")
+    make_shapes(out, n=36, size=16, seed=0, layout="classes")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_config() -> Path:
     return ROOT / "configs" / "tiny" / "ldm.yaml"
 

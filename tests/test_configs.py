@@ -7,10 +7,13 @@ The list is a glob, so a new config is covered the day it is added. Each one run
 - a config without a `data` section (the original inference configs) is merged with the `data`
   and `lightning` sections of configs/tiny/ldm.yaml;
 - a config with only a `lightning` section (a strategy preset) is merged after configs/tiny/ldm.yaml
-  and runs in one CPU process (tests/lun/test_strategies.py runs them with 2).
+  and runs in one CPU process (tests/lun/test_strategies.py runs them with 2);
+- DiT configs get a DiT of width 32 and depth 1, class-folder data the shapes as 18 classes, and a
+  VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE.
 """
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -62,6 +65,8 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
     that says where to teach it."""
     params = model.params
     unet_key, unet = part(params, "unet_config", "backbone_config")
+    if unet.target.startswith("ldm.dit"):
+        return tiny_dit_overrides(model)
     if unet.params.model_channels <= TINY_WIDTH:
         return []
     vae_key, vae = part(params, "first_stage_config")
@@ -104,6 +109,40 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
     return overrides
 
 
+def tiny_dit_overrides(model: DictConfig) -> list[str]:
+    """A DiT / TextDiT config at toy size: width 32, one block, 8x8 latents; its VAE and text
+    encoder shrunk like the UNet configs' (a required VAE file becomes a random tiny VAE)."""
+    backbone, vae = model.params.backbone_config, model.params.first_stage_config
+    if backbone.params.get("hidden_size", 1152) <= TINY_WIDTH * 4:
+        return []  # the shapes demo: already small
+    key = "model.params.backbone_config.params"
+    overrides = [
+        # a preset (DiT_XL_2) fixes the sizes: its class (DiT, TextDiT) takes them all
+        f"model.params.backbone_config.target={re.sub(r'_(S|B|L|XL)_[248]$', '', backbone.target)}",
+        f"{key}.hidden_size={TINY_WIDTH}",
+        f"{key}.depth=1",
+        f"{key}.num_heads=2",
+        f"{key}.patch_size=2",
+        f"{key}.input_size=8",
+    ]
+    if vae.target.endswith("AutoencoderKL"):
+        vae_key = "model.params.first_stage_config.params"
+        overrides += [
+            f"{vae_key}.ckpt_path=null",
+            f"{vae_key}.ddconfig.ch=32",
+            f"{vae_key}.ddconfig.ch_mult=[1,2]",
+            f"{vae_key}.ddconfig.num_res_blocks=1",
+            f"{vae_key}.ddconfig.resolution=32",
+        ]
+    if model.params.conditioner_config.target.endswith(".FrozenCLIPEmbedder"):
+        overrides += [
+            "model.params.conditioner_config.params.config={hidden_size: 32, intermediate_size: 64, "
+            "num_hidden_layers: 2, num_attention_heads: 2}",
+            f"{key}.context_dim=32",
+        ]
+    return overrides + ["data.params.train.params.size=16"]  # 16 px -> 8 x 8 latents
+
+
 def tiny_data_and_trainer(tmp_path: Path) -> Path:
     """configs/tiny/ldm.yaml without its model: the data and lightning sections, as a file."""
     tiny = OmegaConf.load(TINY)
@@ -129,7 +168,9 @@ def is_inference_config(config: Path) -> bool:
     return "model" in own and "data" not in own
 
 
-def launcher_args(config: Path, tmp_path: Path, shapes_dir: Path) -> tuple[list, list[str]]:
+def launcher_args(
+    config: Path, tmp_path: Path, shapes_dir: Path, shape_classes_dir: Path
+) -> tuple[list, list[str]]:
     """The --base files and the overrides that make `config` a 2-step toy run on CPU."""
     own = OmegaConf.load(config)
     if "model" not in own:  # a strategy preset: merged after a model config
@@ -141,12 +182,16 @@ def launcher_args(config: Path, tmp_path: Path, shapes_dir: Path) -> tuple[list,
         bases = [config]
     merged = merge_configs(bases)
     train = merged.data.params.train
-    assert train.target == "lun.data.local.Local", f"{config}: teach this test {train.target}"
+    data_roots = {
+        "lun.data.local.Local": shapes_dir,
+        "lun.data.class_folder.ClassFolder": shape_classes_dir,
+    }
+    assert train.target in data_roots, f"{config}: teach this test {train.target}"
     overrides = tiny_model_overrides(merged.model)
-    if overrides:
+    if overrides and not any(o.startswith("data.params.train.params.size=") for o in overrides):
         overrides.append("data.params.train.params.size=32")
     overrides += [
-        f"data.params.train.params.data_root={shapes_dir}",
+        f"data.params.train.params.data_root={data_roots[train.target]}",
         "data.params.batch_size=2",
         "data.params.num_workers=0",
         "lightning.trainer.accelerator=cpu",
@@ -159,9 +204,11 @@ def launcher_args(config: Path, tmp_path: Path, shapes_dir: Path) -> tuple[list,
 # --- every config, 2 steps ---------------------------------------------------------------------
 
 
-def train_two_steps(config: Path, tmp_path: Path, shapes_dir: Path, extra: list[str]):
+def train_two_steps(
+    config: Path, tmp_path: Path, shapes_dir: Path, shape_classes_dir: Path, extra: list[str]
+):
     """Run the launcher on `config` at toy size; (its result, the run's logs, start weights)."""
-    bases, overrides = launcher_args(config, tmp_path, shapes_dir)
+    bases, overrides = launcher_args(config, tmp_path, shapes_dir, shape_classes_dir)
     start = None
     if "ckpt_path" in merge_configs(bases).model.params.keys():  # `in` alone skips `???`
         weights = tmp_path / "start.safetensors"
@@ -177,8 +224,10 @@ def train_two_steps(config: Path, tmp_path: Path, shapes_dir: Path, extra: list[
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=config_id)
-def test_every_config_trains_two_steps_through_the_launcher(config, tmp_path, shapes_dir):
-    result, logs, start = train_two_steps(config, tmp_path, shapes_dir, [])
+def test_every_config_trains_two_steps_through_the_launcher(
+    config, tmp_path, shapes_dir, shape_classes_dir
+):
+    result, logs, start = train_two_steps(config, tmp_path, shapes_dir, shape_classes_dir, [])
     assert result.returncode == 0, result.stderr[-3000:]
 
     (run,) = logs.iterdir()
@@ -186,7 +235,12 @@ def test_every_config_trains_two_steps_through_the_launcher(config, tmp_path, sh
     assert trained["global_step"] == 2
     state = trained["state_dict"]
     backbone = [k for k in state if k.startswith("model.diffusion_model.")]
-    assert backbone and any(k.startswith("cond_stage_model.") for k in state)
+    conditioner = OmegaConf.select(
+        merge_configs([config]), "model.params.conditioner_config.target", default=""
+    )
+    class_labels = conditioner.endswith("ClassLabels")
+    # a text encoder is in the checkpoint; class labels have no weights
+    assert backbone and (class_labels or any(k.startswith("cond_stage_model.") for k in state))
     if start is not None:  # the run started from the tiny checkpoint and trained its UNet
         vae = [k for k in start if k.startswith("first_stage_model.")]
         assert vae and all(torch.equal(state[k], start[k]) for k in vae)  # frozen: as loaded

@@ -163,6 +163,7 @@ def test_the_payloads_run_when_unpickled_unchecked(tmp_path, kind, where, file):
 
 ALLOWED = [
     "_codecs.encode",
+    "argparse.Namespace",  # DiT train.py checkpoints' args, unpickled inert
     "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
     "numpy._core.multiarray.scalar",
     "numpy.core.multiarray.scalar",

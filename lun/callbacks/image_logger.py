@@ -29,6 +29,7 @@ class ImageLogger(Callback):
         batch_frequency: optimizer steps between grids.
         max_images: images per grid.
         prompts: fixed prompts, repeated to `max_images`; None = the captions of the current batch.
+            Class ids for a class-conditional model (DiT): a fixed class grid.
         seed: seed of the sampling noise (the same each time, so grids are comparable over time).
         sampler, steps, scale: sampler name, sampling steps and classifier-free guidance scale.
         use_ema: sample with the EMA weights when the trainer has an EMA callback.
@@ -154,6 +155,6 @@ class ImageLogger(Callback):
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger) and settings["prompts"]:
                 logger.experiment.add_text(
-                    "train/prompts", "\n\n".join(settings["prompts"]), settings["step"]
+                    "train/prompts", "\n\n".join(map(str, settings["prompts"])), settings["step"]
                 )
         return paths

@@ -121,7 +121,11 @@ def load_prompts(idx_to_prompt) -> dict[str, list[str]] | None:
     items = (
         enumerate(idx_to_prompt) if isinstance(idx_to_prompt, list) else dict(idx_to_prompt).items()
     )
-    return {str(k): [v] if isinstance(v, str) else [str(p) for p in v] for k, v in items}
+    prompts = {str(k): [v] if isinstance(v, str) else [str(p) for p in v] for k, v in items}
+    for key in prompts:  # the ids are also the items' labels (class-conditional models)
+        if not key.lstrip("-").isdigit():
+            raise ValueError(f"idx_to_prompt: keys are class ids (whole numbers), got {key!r}")
+    return prompts
 
 
 def shuffle_buffer(samples, size: int, rng: random.Random, initial: int = 100):
@@ -279,11 +283,11 @@ class ShardStream(torch.utils.data.IterableDataset):
             self.flip_p,
             max_pixels=self.max_image_pixels,
         )  # (3, H, W)
-        if self.prompts is not None:
-            caption = random.choice(self.prompts[str(raw["cls"])])
-        else:
-            caption = raw["caption"] or ""
-        return {"image": image, "caption": caption}
+        if self.prompts is None:
+            return {"image": image, "caption": raw["caption"] or ""}
+        # Class-conditional mode: a prompt of the class, and its id for ldm.conditioning.ClassLabels.
+        label = str(raw["cls"])
+        return {"image": image, "caption": random.choice(self.prompts[label]), "label": int(label)}
 
     def __iter__(self):
         info = get_worker_info()
@@ -356,7 +360,8 @@ class WebDataset(ShardStream):
         here: see `model.params.ucg_rate`).
     filters: {json_key: ">=512", pwatermark: "<=0.5"}; samples missing a filtered key are dropped.
     idx_to_prompt: class-conditional mode (ImageNet-style): a JSON file or mapping from the `cls`
-        value to a prompt or list of prompts, which becomes the caption.
+        value (a class id) to a prompt or list of prompts, which becomes the caption; items also
+        carry the id as "label" (for `ldm.conditioning.ClassLabels`, DiT).
     shuffle_buffer: samples held for shuffling within each worker's stream.
     max_image_pixels: images with more pixels are dropped as decompression bombs.
     """

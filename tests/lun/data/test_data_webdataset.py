@@ -172,6 +172,12 @@ def test_class_conditional_mode(shards, tmp_path):
         "a goldfish",
         "goldfish",
     }  # class 2 has no prompt
+    # each item also carries its class id, the label a class-conditional model (DiT) reads
+    for batch in DataLoader(dataset, batch_size=None):
+        for label, caption in zip(batch["label"].tolist(), batch["caption"], strict=True):
+            assert caption == "a tench" if label == 0 else caption in ("a goldfish", "goldfish")
+    with pytest.raises(ValueError, match="class ids"):
+        WebDataset(str(shards / "shard-000.tar"), 4, idx_to_prompt={"n01440764": "tench"})
 
 
 def test_transform_parameters_apply_to_streams(shards):
