@@ -358,14 +358,36 @@ def adapter_layers(model: nn.Module, adapter: str = ADAPTER) -> dict[str, nn.Mod
     }
 
 
+def _row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """||W||_2 of each output row, shaped (out, 1, ...) like W's dims."""
+    return weight.reshape(weight.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (weight.dim() - 1))
+
+
 def _dora_scale(layer, adapter: str) -> torch.Tensor | None:
-    """DoRA's magnitude as kohya/LyCORIS/ComfyUI store it (`dora_scale`): one norm per output
-    row, shaped (out, 1) for Linear, (out, 1, 1, 1) for Conv2d (peft: (out,) / (1, out, 1, 1))."""
+    """DoRA's magnitude as the kohya-format loaders (ComfyUI, Forge) apply an output-axis
+    `dora_scale` (shape (out, 1) / (out, 1, 1, 1)): W' = (W + dW) * dora_scale / ||W||, the norm
+    of the *base* rows - where peft and the DoRA paper divide by ||W + dW||. Written as
+    m * ||W|| / ||W + dW||, so those loaders give exactly peft's W' = m (W + dW) / ||W + dW||."""
     if not layer.use_dora.get(adapter):
         return None
-    magnitude = layer.lora_magnitude_vector[adapter].weight.detach()
-    weight = layer.get_base_layer().weight
-    return magnitude.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    weight = layer.get_base_layer().weight.detach().float()
+    delta = layer.get_delta_weight(adapter).detach().float().reshape(weight.shape)
+    magnitude = layer.lora_magnitude_vector[adapter].weight.detach().float()
+    magnitude = magnitude.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    return magnitude * _row_norms(weight) / _row_norms(weight + delta)
+
+
+def _magnitude_of(layer, adapter: str, dora_scale: torch.Tensor, source: str) -> torch.Tensor:
+    """The inverse of `_dora_scale`: peft's magnitude for a file's output-axis `dora_scale`."""
+    weight = layer.get_base_layer().weight.detach().float()
+    if dora_scale.shape[0] != weight.shape[0] or dora_scale.numel() != weight.shape[0]:
+        raise ValueError(
+            f"{source}: dora_scale of shape {tuple(dora_scale.shape)} is on the input axis "
+            "(LyCORIS wd_on_out=False); only output-axis DoRA files are supported"
+        )
+    delta = layer.get_delta_weight(adapter).detach().float().reshape(weight.shape)
+    magnitude = dora_scale.float().reshape(_row_norms(weight).shape)
+    return magnitude * _row_norms(weight + delta) / _row_norms(weight)
 
 
 def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -398,8 +420,9 @@ def diffusers_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         state[f"{key}.lora_A.weight"] = layer.lora_A[ADAPTER].weight.detach().float()
         state[f"{key}.lora_B.weight"] = layer.lora_B[ADAPTER].weight.detach().float() * scaling
         if layer.use_dora.get(ADAPTER):
-            state[f"{key}.lora_magnitude_vector"] = (
-                layer.lora_magnitude_vector[ADAPTER].weight.detach().float().flatten()
+            # peft's own shape: (out,) for Linear, (1, out, 1, 1) for Conv2d
+            state[f"{key}.lora_magnitude_vector.weight"] = (
+                layer.lora_magnitude_vector[ADAPTER].weight.detach().float()
             )
     return {k: v.cpu().contiguous() for k, v in state.items()}
 
@@ -439,12 +462,17 @@ def _unload(model: nn.Module) -> None:
 
 @torch.no_grad()
 def merge_adapters(model: nn.Module, weight: float = 1.0, adapter: str = ADAPTER) -> int:
-    """Fold `adapter` into the base weights at `weight` (peft's merge) and remove every peft
-    layer; returns the number of layers merged. The model is then a plain original one."""
+    """Fold `adapter` into the base weights and remove every peft layer; returns the number of
+    layers merged. The model is then a plain original one. At `weight` w the merged weight is
+    W + w (W1 - W), W1 being peft's merge at full strength: for LoRA that is W + w s B A, and
+    for DoRA it is how kohya-format loaders apply a strength (ComfyUI's weight_decompose)."""
     layers = adapter_layers(model, adapter)
     for layer in layers.values():
-        layer.scaling[adapter] = weight * layer.lora_alpha[adapter] / layer.r[adapter]
+        base = layer.get_base_layer().weight
+        before = base.detach().clone() if weight != 1.0 else None
         layer.merge(safe_merge=True, adapter_names=[adapter])
+        if before is not None:
+            base.data = torch.lerp(before, base.detach(), weight)
     _unload(model)
     return len(layers)
 
@@ -504,7 +532,8 @@ def merge_kohya(
         layer.lora_B[adapter].weight.copy_(state[kohya + ".lora_up.weight"])
         if dora:
             magnitude = layer.lora_magnitude_vector[adapter].weight
-            magnitude.copy_(state[kohya + ".dora_scale"].reshape(magnitude.shape))
+            found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
+            magnitude.copy_(found.reshape(magnitude.shape))
     return merge_adapters(model, weight, adapter)
 
 
