@@ -167,6 +167,21 @@ class BasicTransformerBlock(nn.Module):
         return self.ff(self.norm3(x)).add_(x)  # (B, N, dim)
 
 
+def over_channels(layer: nn.Module, h: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """(B, HW, C) -> (B, HW, C') by proj_in / proj_out. A 1x1 conv is a linear map over channels:
+    applied as one on this layout, SD 1 and SD 2 share a path without a conv + permute copy. A
+    layer that must run its own forward - wrapped by a LoRA adapter (`ldm.lora`), or frozen in
+    another dtype outside autocast - is called as itself, in its own layout."""
+    if isinstance(layer, (nn.Linear, nn.Conv2d)) and (
+        layer.weight.dtype == h.dtype or torch.is_autocast_enabled(h.device.type)
+    ):
+        return F.linear(h, layer.weight.flatten(1), layer.bias)
+    if layer.weight.dim() == 2:  # a Linear
+        return layer(h)
+    x = h.transpose(1, 2).reshape(h.shape[0], -1, height, width)  # (B, C, H, W)
+    return layer(x).flatten(2).transpose(1, 2)  # (B, HW, C')
+
+
 class SpatialTransformer(nn.Module):
     """Transformer over the H*W positions of a feature map, conditioned on a context sequence.
 
@@ -211,13 +226,11 @@ class SpatialTransformer(nn.Module):
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         batch, _, height, width = x.shape
         h = self.norm(x)  # (B, C, H, W)
-        # A 1x1 conv is a linear map over channels; applying it as one on the (B, H*W, C) layout
-        # lets SD 1 and SD 2 share a path and avoids a conv + permute copy.
         h = h.permute(0, 2, 3, 1).reshape(batch, height * width, -1)  # (B, HW, C)
-        h = F.linear(h, self.proj_in.weight.flatten(1), self.proj_in.bias)  # (B, HW, inner)
+        h = over_channels(self.proj_in, h, height, width)  # (B, HW, inner)
         for block in self.transformer_blocks:
             h = block(h, context)  # (B, HW, inner)
-        h = F.linear(h, self.proj_out.weight.flatten(1), self.proj_out.bias)  # (B, HW, C)
+        h = over_channels(self.proj_out, h, height, width)  # (B, HW, C)
         h = h.view(batch, height, width, -1).permute(0, 3, 1, 2)  # (B, C, H, W) channels-last view
         # x first: the sum takes x's NCHW layout. A channels-last result would flow into the next
         # convs, which then copy their NCHW weights on every call.

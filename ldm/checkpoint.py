@@ -13,6 +13,11 @@ Every key rule lives here (no other file spells a layout prefix):
 - A VAE file: bare or under `first_stage_model.` of a full checkpoint.
 - A backbone file: the backbone's own names with no prefix (the released DiT `.pt`), or DiT's
   `train.py` checkpoint (`{"model", "ema", "opt", "args"}`).
+- LoRA (peft): a wrapped layer's weights keep their original names (peft's `base_layer.` level
+  removed) and its adapter weights go apart, under `lora.` + the layer's original name +
+  `lora_A.weight` / `lora_B.weight` / `lora_magnitude_vector.weight` (peft's adapter-name level
+  removed), so a LoRA run's checkpoint is still an original one with extra keys. Renamed by the
+  model's checkpoint hooks (`ldm.lora`), not by state-dict hooks.
 """
 
 import hashlib
@@ -36,6 +41,10 @@ FIRST_STAGE_PREFIX = "first_stage_model."
 WRAPPER_LEVELS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 # Lightning's sharded FSDP checkpoints store the module's state dict under this key.
 SHARDED_MODULE_KEY = "model"
+# LoRA adapters (ldm.lora): their weights' checkpoint prefix, and the levels peft adds.
+LORA_PREFIX = "lora."
+PEFT_BASE_LEVEL = "base_layer."
+PEFT_ADAPTER_LEVEL = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.[^.]+\.")
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -307,6 +316,44 @@ def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
         del state[key]
 
 
+# --- LoRA: peft's names <-> the original layout --------------------------------------------
+def peft_free_name(name: str) -> str:
+    """A name without peft's levels: `...to_q.base_layer.weight` -> `...to_q.weight`,
+    `...to_q.lora_A.default.weight` -> `...to_q.lora_A.weight`."""
+    return PEFT_ADAPTER_LEVEL.sub(r".\1.", name.replace("." + PEFT_BASE_LEVEL, "."))
+
+
+def is_adapter_name(name: str) -> bool:
+    return PEFT_ADAPTER_LEVEL.search(name) is not None
+
+
+def original_key(name: str) -> str:
+    """The checkpoint key of a LoRA model's state-dict entry: base weights under their original
+    names, adapter weights apart under `lora.`."""
+    return (LORA_PREFIX if is_adapter_name(name) else "") + peft_free_name(name)
+
+
+def to_original_layout(state: Mapping, backbone_names: Iterable[str] = ()) -> dict:
+    """A LoRA model's state dict (peft's names) -> checkpoint keys (`original_key`); the EMA
+    shadows of `backbone_names` (names in `LatentDiffusion.model`) lose peft's levels too."""
+    renamed = {ema_key(n): ema_key(peft_free_name(n)) for n in backbone_names}
+    return {renamed.get(k) or original_key(k): v for k, v in state.items()}
+
+
+def to_module_layout(
+    state: dict, module_keys: Iterable[str], backbone_names: Iterable[str] = ()
+) -> None:
+    """In place: checkpoint keys -> the module's (peft's) names, the inverse of
+    `to_original_layout`. Keys already in the module's form are kept; adapter keys are
+    also accepted without the `lora.` level (as `apply_ema` writes them)."""
+    names = {}
+    for key in module_keys:
+        names[original_key(key)] = names[peft_free_name(key)] = key
+    names.update({ema_key(peft_free_name(n)): ema_key(n) for n in backbone_names})
+    for key in [k for k in state if k in names and names[k] != k]:
+        state[names[key]] = state.pop(key)
+
+
 def without_wrapper_levels(name: str) -> str:
     """A parameter name as the bare module has it (levels of torch.compile / FSDP removed)."""
     for level in WRAPPER_LEVELS:
@@ -389,13 +436,25 @@ def load_weights(
     use_ema = has_ema(state) if ema is None else ema
     if use_ema and not has_ema(state):
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none (model_ema.*)")
-    # EMA shadows exist for trained weights only (LitEma's rule): not DiT's fixed pos_embed.
-    unet_names = [n for n, p in model.model.named_parameters() if p.requires_grad]
+    unet_names = [n for n, p in model.model.named_parameters()]
+    if any(PEFT_BASE_LEVEL in n for n in unet_names):
+        # LoRA: a LoRA run's EMA shadows its adapters only; a base model's, the base weights.
+        adapters_in_file = any(k.startswith(LORA_PREFIX) for k in state)
+        unet_names = [
+            peft_free_name(n) for n in unet_names if is_adapter_name(n) == adapters_in_file
+        ]
+    else:
+        # EMA shadows exist for trained weights only (LitEma's rule): not DiT's fixed pos_embed.
+        unet_names = [n for n, p in model.model.named_parameters() if p.requires_grad]
     weights = apply_ema(state, unet_names) if use_ema else without_ema(state)
     from_original_layout(weights)
     result = model.load_state_dict(weights, strict=False)
-    if strict and (result.missing_keys or result.unexpected_keys):
-        raise KeyError(mismatch_message(path, result.missing_keys, result.unexpected_keys))
+    missing = result.missing_keys
+    if not any(k.startswith(LORA_PREFIX) for k in state):
+        # A base model (an original file, a full fine-tune) under fresh adapters.
+        missing = [k for k in missing if not is_adapter_name(k)]
+    if strict and (missing or result.unexpected_keys):
+        raise KeyError(mismatch_message(path, missing, result.unexpected_keys))
     return state
 
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ldm import checkpoint, sampling, vlb
+from ldm import lora as lora_module
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -75,6 +76,9 @@ class LatentDiffusion(pl.LightningModule):
             (faster convolutions on tensor-core GPUs).
         compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
             unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
+        lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
+            `{rank, alpha, dropout, targets: [attn, proj, ff, conv], conv_rank, conv_alpha, dora,
+            init, text_encoder: {rank, alpha, dropout, lr}, base_dtype}` (`ldm.lora.LoraSettings`).
     """
 
     def __init__(
@@ -95,8 +99,10 @@ class LatentDiffusion(pl.LightningModule):
         first_stage_fp32: bool = True,
         channels_last: bool = False,
         compile_backbone: bool | Mapping | None = None,
+        lora: Mapping | None = None,
     ):
         super().__init__()
+        self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
         if parameterization not in ("eps", "v"):
             raise ValueError(f"parameterization must be 'eps' or 'v', got '{parameterization}'")
         self.parameterization = parameterization
@@ -122,8 +128,14 @@ class LatentDiffusion(pl.LightningModule):
         for name, value in schedule_buffers(betas).items():
             self.register_buffer(name, value)
 
+        if self.lora_settings is not None:
+            lora_module.add_adapters(
+                self, self.lora_settings
+            )  # before loading: a LoRA run's file has them
         if ckpt_path:
-            checkpoint.load_weights(self, ckpt_path, ema=load_ema)
+            loaded = checkpoint.load_weights(self, ckpt_path, ema=load_ema)
+            if self.lora_settings is not None:
+                lora_module.after_loading(self, loaded)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
         self.first_stage_fp32, self.channels_last = first_stage_fp32, channels_last
         if channels_last:
@@ -339,12 +351,31 @@ class LatentDiffusion(pl.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
-        params += [p for p in self.conditioner.parameters() if p.requires_grad]
+        text_params = [p for p in self.conditioner.parameters() if p.requires_grad]
+        text = self.lora_settings and self.lora_settings.text_encoder
+        text_lr = text and text.lr
+        if text_lr and text_params:  # the text encoder's adapters at their own rate
+            params = [{"params": params}, {"params": text_params, "lr": text_lr}]
+        else:
+            params += text_params
         optimizer = build_optimizer(
             params, self.learning_rate, self.optimizer_config, fuse=not self._clips_under_amp()
         )
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
+
+    # --- LoRA: the frozen base in the training dtype, the checkpoint in the original layout ----
+    def setup(self, stage: str) -> None:
+        if self.lora_settings is not None and stage == "fit":
+            lora_module.hold_base_for_training(self, self.trainer)
+
+    def on_save_checkpoint(self, ckpt: dict) -> None:
+        if self.lora_settings is not None:
+            lora_module.save_layout(self, ckpt)
+
+    def on_load_checkpoint(self, ckpt: dict) -> None:
+        if self.lora_settings is not None:
+            lora_module.load_layout(self, ckpt)
 
     def _clips_under_amp(self) -> bool:
         """Lightning's mixed-precision plugin clips gradients itself and refuses an optimizer

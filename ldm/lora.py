@@ -1,0 +1,551 @@
+"""LoRA, LoCon and DoRA adapters (peft) on the UNet and the CLIP text encoder, and their files.
+
+LoRA (Hu et al. 2021, arXiv:2106.09685) trains a low-rank update W + (alpha / r) * B A of a
+frozen weight W (A: r x in, B: out x r, B starts at zero). LoCon (LyCORIS) puts the same update on
+the ResBlock and resampler convolutions (A is a kh x kw conv, B a 1x1 conv), usually with its own
+rank. DoRA (Liu et al. 2024, arXiv:2402.09353) also learns the magnitude of each output row:
+W' = m * (W + s B A) / ||W + s B A||. The layers are peft's; this module chooses which layers get
+them (the groups kohya-ss's networks use), keeps the base frozen in the training dtype, and
+writes and reads the kohya file format that AUTOMATIC1111, ComfyUI, Forge and diffusers load.
+Checkpoint key rules live in `ldm.checkpoint`, kohya / diffusers names in `ldm.lora_kohya`.
+"""
+
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ldm import checkpoint, lora_kohya
+
+ADAPTER = "default"  # peft's adapter name for the adapters we train
+# Layers per target group, by the end of their CompVis name (UNetModel / SpatialTransformer).
+UNET_GROUPS = {
+    "attn": r"\.attn[12]\.(to_q|to_k|to_v|to_out\.0)",
+    "proj": r"\.(proj_in|proj_out)",
+    "ff": r"\.ff\.net\.(0\.proj|2)",
+    # LoCon: ResBlock convs, time-embedding projection and shortcut, Downsample / Upsample.
+    "conv": r"\.(in_layers\.2|out_layers\.3|emb_layers\.1|skip_connection|op|conv)",
+}
+TEXT_LAYERS = r"(^|\.)encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+BASE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+INITS = {"default": True, "gaussian": "gaussian"}  # peft's init_lora_weights: B = 0 for both
+
+
+@dataclasses.dataclass(frozen=True)
+class TextEncoderLora:
+    """LoRA on the CLIP text encoder's attention and MLP layers (kohya's `lora_te_` modules).
+
+    rank, alpha (default: rank), dropout: as for the UNet. lr: its own learning rate (default
+    the model's; kohya's `--text_encoder_lr`)."""
+
+    rank: int = 4
+    alpha: float | None = None
+    dropout: float = 0.0
+    lr: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """`model.params.lora` of `LatentDiffusion`: which layers get adapters, and how.
+
+    rank: r of the update B A (4-128 are common). alpha: the update is scaled by alpha / rank
+        (default alpha = rank: scale 1; kohya's default is alpha 1).
+    dropout: dropout on the adapters' input (LoRA paper, Sec. 4).
+    targets: UNet layer groups: "attn" (to_q/k/v/out.0 of self- and cross-attention), "proj"
+        (the transformers' proj_in/proj_out), "ff" (feed-forward), "conv" (LoCon: ResBlock
+        convolutions, time-embedding projections and shortcuts, down/upsampler convs). The
+        default [attn, proj, ff] is kohya's default network.
+    conv_rank, conv_alpha: rank and alpha of the 3x3 convolutions of "conv" (kohya's
+        conv_dim / conv_alpha; default rank and alpha); its Linear and 1x1 layers use rank.
+    dora: DoRA (also learn each output row's magnitude).
+    init: "default" (peft: Kaiming-uniform A, zero B) or "gaussian" (A ~ N(0, 1/r), zero B).
+    text_encoder: also train LoRA on the CLIP text encoder: `{rank, alpha, dropout, lr}`.
+    base_dtype: the frozen weights' dtype while training: "auto" = the trainer's precision
+        (bf16 / fp16 under bf16-mixed / 16-mixed, single device or DDP; FSDP and DeepSpeed
+        manage dtypes themselves), or "fp32", "bf16", "fp16". Adapters stay float32.
+    """
+
+    rank: int = 4
+    alpha: float | None = None
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("attn", "proj", "ff")
+    conv_rank: int | None = None
+    conv_alpha: float | None = None
+    dora: bool = False
+    init: str = "default"
+    text_encoder: TextEncoderLora | None = None
+    base_dtype: str = "auto"
+
+
+def _fail(key: str, why: str):
+    raise ValueError(f"model.params.lora.{key}: {why}")
+
+
+def _check_rank_alpha(prefix: str, values: Mapping) -> None:
+    rank = values.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 1):
+        _fail(prefix + "rank", f"must be a positive integer, got {rank!r}")
+    alpha = values.get("alpha")
+    if alpha is not None and (
+        isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0
+    ):
+        _fail(prefix + "alpha", f"must be a positive number, got {alpha!r}")
+    dropout = values.get("dropout", 0.0)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        _fail(prefix + "dropout", f"must be in [0, 1), got {dropout!r}")
+
+
+def parse_settings(config: Mapping | None) -> LoraSettings | None:
+    """`model.params.lora` -> LoraSettings (None: no LoRA); ValueError naming the bad key."""
+    if config is None or config is False:
+        return None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"model.params.lora: must be a mapping, got {config!r}")
+    fields = {f.name for f in dataclasses.fields(LoraSettings)}
+    for key in config:
+        if key not in fields:
+            _fail(key, f"unknown key; known: {', '.join(sorted(fields))}")
+    values = dict(config)
+    _check_rank_alpha("", values)
+    _check_rank_alpha("conv_", {"rank": values.get("conv_rank"), "alpha": values.get("conv_alpha")})
+    targets = values.get("targets", LoraSettings.targets)
+    if isinstance(targets, str) or not targets or any(t not in UNET_GROUPS for t in targets):
+        _fail("targets", f"must be a list of {', '.join(UNET_GROUPS)}, got {targets!r}")
+    values["targets"] = tuple(targets)
+    if not isinstance(values.get("dora", False), bool):
+        _fail("dora", f"must be true or false, got {values['dora']!r}")
+    if values.get("init", "default") not in INITS:
+        _fail("init", f"must be one of {', '.join(INITS)}, got {values['init']!r}")
+    if values.get("base_dtype", "auto") not in BASE_DTYPES:
+        _fail(
+            "base_dtype", f"must be one of {', '.join(BASE_DTYPES)}, got {values['base_dtype']!r}"
+        )
+    text = values.get("text_encoder")
+    if text is not None:
+        if not isinstance(text, Mapping):
+            _fail("text_encoder", f"must be a mapping {{rank, alpha, dropout, lr}}, got {text!r}")
+        known = {f.name for f in dataclasses.fields(TextEncoderLora)}
+        for key in text:
+            if key not in known:
+                _fail(f"text_encoder.{key}", f"unknown key; known: {', '.join(sorted(known))}")
+        _check_rank_alpha("text_encoder.", text)
+        lr = text.get("lr")
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or lr <= 0):
+            _fail("text_encoder.lr", f"must be a positive number, got {lr!r}")
+        values["text_encoder"] = TextEncoderLora(**text)
+    return LoraSettings(**values)
+
+
+# --- which layers --------------------------------------------------------------------------
+def _lora_able(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, nn.Conv2d))
+
+
+def unet_targets(unet: nn.Module, targets: tuple[str, ...]) -> list[str]:
+    """Names (in `unet`) of the Linear / Conv2d layers of the target groups, in module order."""
+    pattern = re.compile("(" + "|".join(UNET_GROUPS[t] for t in targets) + ")$")
+    return [n for n, m in unet.named_modules() if _lora_able(m) and pattern.search("." + n)]
+
+
+def text_targets(text_model: nn.Module) -> list[str]:
+    """Names (in a CLIP text model) of kohya's `lora_te_` layers (attention and MLP)."""
+    pattern = re.compile(TEXT_LAYERS + "$")
+    return [n for n, m in text_model.named_modules() if _lora_able(m) and pattern.search(n)]
+
+
+def _inject(
+    module: nn.Module,
+    names: list[str],
+    ranks: dict,
+    alphas: dict,
+    adapter: str = ADAPTER,
+    **kwargs,
+) -> None:
+    """peft LoRA layers on `names` (in `module`), with a rank and alpha per layer."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    default_rank = max(set(ranks.values()), key=list(ranks.values()).count)
+    default_alpha = max(set(alphas.values()), key=list(alphas.values()).count)
+    config = LoraConfig(
+        r=default_rank,
+        lora_alpha=default_alpha,
+        target_modules=names,
+        rank_pattern={re.escape(n): r for n, r in ranks.items() if r != default_rank},
+        alpha_pattern={re.escape(n): a for n, a in alphas.items() if a != default_alpha},
+        **kwargs,
+    )
+    inject_adapter_in_model(config, module, adapter_name=adapter)
+    made = {n for n, m in module.named_modules() if _is_lora_layer(m)}
+    if made != set(names):  # peft matches names by suffix: check that it took exactly these
+        raise RuntimeError(f"peft adapted {len(made)} layers, asked for {len(names)}")
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
+def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
+    """Freeze `model` (a LatentDiffusion) and add trainable adapters as `settings` say."""
+    model.requires_grad_(False)
+    common = {
+        "use_dora": settings.dora,
+        "init_lora_weights": INITS[settings.init],
+    }
+    unet = model.model  # names relative to it, as the EMA callback sees them
+    names = unet_targets(unet, settings.targets)
+    alpha = settings.alpha or settings.rank
+    conv_rank = settings.conv_rank or settings.rank
+    conv_alpha = settings.conv_alpha or (alpha if settings.conv_rank is None else conv_rank)
+    is_3x3 = {
+        n: isinstance(unet.get_submodule(n), nn.Conv2d)
+        and unet.get_submodule(n).kernel_size != (1, 1)
+        for n in names
+    }
+    ranks = {n: conv_rank if is_3x3[n] else settings.rank for n in names}
+    alphas = {n: conv_alpha if is_3x3[n] else alpha for n in names}
+    _inject(unet, names, ranks, alphas, lora_dropout=settings.dropout, **common)
+    text = settings.text_encoder
+    if text is not None:
+        encoder = model.conditioner
+        clip = _clip_text_model(encoder)
+        if clip is None or not text_targets(clip):
+            raise ValueError(
+                "model.params.lora.text_encoder: supported for the CLIP text encoder "
+                "(ldm.text_encoder.FrozenCLIPEmbedder, SD 1.x) only"
+            )
+        names = text_targets(clip)
+        text_alpha = text.alpha or text.rank
+        _inject(
+            clip,
+            names,
+            dict.fromkeys(names, text.rank),
+            dict.fromkeys(names, text_alpha),
+            lora_dropout=text.dropout,
+            **common,
+        )
+        encoder.trainable = True  # gradients flow through it (only its adapters train)
+    for name, param in model.named_parameters():
+        param.requires_grad_(checkpoint.is_adapter_name(name))
+        if param.requires_grad:
+            param.data = param.data.float()  # adapters in fp32 whatever the base's dtype
+    # Files in the original layout (ours, original SD) load into peft's names. Registered after
+    # LatentDiffusion's own hook, which accepts the text encoder's forms first.
+    model.register_load_state_dict_pre_hook(
+        functools.partial(_to_peft_names, list(model.state_dict()))
+    )
+
+
+@torch.no_grad()
+def after_loading(model: nn.Module, state: Mapping) -> None:
+    """After `model` loaded `state`: DoRA's magnitudes start as the norms of the base rows (the
+    paper's init), so under fresh adapters (a base file: no `lora.` keys) they are computed
+    again from the loaded weights."""
+    if any(k.startswith(checkpoint.LORA_PREFIX) for k in state):
+        return
+    for layer in adapter_layers(model).values():
+        if layer.use_dora.get(ADAPTER):
+            layer.lora_magnitude_vector[ADAPTER].update_layer(
+                base_layer=layer.get_base_layer(),
+                lora_A=layer.lora_A[ADAPTER].weight,
+                lora_B=layer.lora_B[ADAPTER].weight,
+                scaling=layer.scaling[ADAPTER],
+            )
+
+
+def _to_peft_names(module_keys: list[str], module, state: dict, prefix: str, *args) -> None:
+    checkpoint.to_module_layout(state, [prefix + k for k in module_keys])
+
+
+def _backbone_names(model: nn.Module) -> list[str]:
+    return [checkpoint.without_wrapper_levels(n) for n, _ in model.model.named_parameters()]
+
+
+def save_layout(model: nn.Module, ckpt: dict) -> None:
+    """A Lightning checkpoint's state dict (and the EMA's shadows in it) in the original layout
+    with the adapters apart (`ldm.checkpoint.to_original_layout`). Sharded state dicts (FSDP's
+    sharded checkpoints) keep the module's names: their loader reads them by those names."""
+    state = ckpt.get("state_dict")
+    if state and all(type(v) in (torch.Tensor, nn.Parameter) for v in state.values()):
+        ckpt["state_dict"] = checkpoint.to_original_layout(state, _backbone_names(model))
+
+
+def load_layout(model: nn.Module, ckpt: dict) -> None:
+    """The inverse of `save_layout`, before Lightning and the callbacks read the state dict."""
+    state = ckpt.get("state_dict")
+    if state:
+        keys = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]]
+        keys = [checkpoint.without_wrapper_levels(k) for k in keys]
+        checkpoint.to_module_layout(state, keys, _backbone_names(model))
+
+
+def _clip_text_model(encoder: nn.Module) -> nn.Module | None:
+    """The transformers CLIPTextModel inside a text encoder: peft must be given the library's
+    model itself (it reads its conversion rules), not a module holding it."""
+    from transformers import PreTrainedModel
+
+    holder = getattr(encoder, "transformer", None)
+    found = [m for m in holder.modules() if isinstance(m, PreTrainedModel)] if holder else []
+    return found[0] if found else None
+
+
+def has_adapters(module: nn.Module) -> bool:
+    return any(_is_lora_layer(m) for m in module.modules())
+
+
+# --- the frozen base in the training dtype -------------------------------------------------
+def training_dtype(precision: str, base_dtype: str = "auto") -> torch.dtype | None:
+    """The frozen weights' dtype for a trainer precision ("bf16-mixed" -> bf16), or None."""
+    if base_dtype != "auto":
+        return BASE_DTYPES[base_dtype]
+    precision = str(precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    return None
+
+
+def _input_to_weight_dtype(module, args):
+    module.input_dtype = args[0].dtype  # for the way out (the forward hook sees the cast input)
+    return (args[0].to(module.weight.dtype), *args[1:])
+
+
+def _output_to_input_dtype(module, args, output):
+    # Under autocast the next op casts as it likes; without it (e.g. sampling outside the
+    # training step) the activations keep their dtype, so fp32 layers after this one work.
+    if torch.is_autocast_enabled(output.device.type):
+        return output
+    return output.to(module.input_dtype)
+
+
+def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
+    """Cast the frozen Linear / Conv2d layers of `module` to `dtype` (halves the base's memory
+    under bf16/fp16 training); their inputs are cast on the way in and back on the way out.
+    Norms stay float32 (small, and precision-sensitive). Returns the number of layers cast."""
+    count = 0
+    for layer in module.modules():
+        if not _lora_able(layer) or any(p.requires_grad for p in layer.parameters()):
+            continue
+        if layer.weight.dtype == dtype:
+            continue
+        layer.to(dtype)
+        layer.register_forward_pre_hook(_input_to_weight_dtype)
+        layer.register_forward_hook(_output_to_input_dtype, with_kwargs=False)
+        count += 1
+    return count
+
+
+# --- adapters as files ---------------------------------------------------------------------
+def res_blocks_of(unet: nn.Module) -> int:
+    """`num_res_blocks` of a built UNetModel: the up path has num_res_blocks + 1 per level."""
+    from ldm.unet import Downsample
+
+    levels = 1 + sum(isinstance(m, Downsample) for m in unet.modules())
+    return len(unet.output_blocks) // levels - 1
+
+
+def adapter_layers(model: nn.Module, adapter: str = ADAPTER) -> dict[str, nn.Module]:
+    """The LoRA layers of `model` by their original module name (`model.diffusion_model...`)."""
+    return {
+        name: layer
+        for name, layer in model.named_modules()
+        if _is_lora_layer(layer) and adapter in layer.lora_A
+    }
+
+
+def _row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """||W||_2 of each output row, shaped (out, 1, ...) like W's dims."""
+    return weight.reshape(weight.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (weight.dim() - 1))
+
+
+def _dora_scale(layer, adapter: str) -> torch.Tensor | None:
+    """DoRA's magnitude as the kohya-format loaders (ComfyUI, Forge) apply an output-axis
+    `dora_scale` (shape (out, 1) / (out, 1, 1, 1)): W' = (W + dW) * dora_scale / ||W||, the norm
+    of the *base* rows - where peft and the DoRA paper divide by ||W + dW||. Written as
+    m * ||W|| / ||W + dW||, so those loaders give exactly peft's W' = m (W + dW) / ||W + dW||."""
+    if not layer.use_dora.get(adapter):
+        return None
+    weight = layer.get_base_layer().weight.detach().float()
+    delta = layer.get_delta_weight(adapter).detach().float().reshape(weight.shape)
+    magnitude = layer.lora_magnitude_vector[adapter].weight.detach().float()
+    magnitude = magnitude.reshape(weight.shape[0], *[1] * (weight.dim() - 1))
+    return magnitude * _row_norms(weight) / _row_norms(weight + delta)
+
+
+def _magnitude_of(layer, adapter: str, dora_scale: torch.Tensor, source: str) -> torch.Tensor:
+    """The inverse of `_dora_scale`: peft's magnitude for a file's output-axis `dora_scale`."""
+    weight = layer.get_base_layer().weight.detach().float()
+    if dora_scale.shape[0] != weight.shape[0] or dora_scale.numel() != weight.shape[0]:
+        raise ValueError(
+            f"{source}: dora_scale of shape {tuple(dora_scale.shape)} is on the input axis "
+            "(LyCORIS wd_on_out=False); only output-axis DoRA files are supported"
+        )
+    delta = layer.get_delta_weight(adapter).detach().float().reshape(weight.shape)
+    magnitude = dora_scale.float().reshape(_row_norms(weight).shape)
+    return magnitude * _row_norms(weight + delta) / _row_norms(weight)
+
+
+def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The adapters of a LatentDiffusion as a kohya LoRA state dict: per layer
+    `<name>.lora_down.weight` (A), `.lora_up.weight` (B), `.alpha` (0-dim) and, for DoRA,
+    `.dora_scale`; kohya applies up @ down * alpha / rank, as peft does."""
+    res_blocks = res_blocks_of(model.backbone)
+    state = {}
+    for name, layer in adapter_layers(model).items():
+        kohya = lora_kohya.kohya_name(name, res_blocks)
+        state[f"{kohya}.lora_down.weight"] = layer.lora_A[ADAPTER].weight.detach()
+        state[f"{kohya}.lora_up.weight"] = layer.lora_B[ADAPTER].weight.detach()
+        state[f"{kohya}.alpha"] = torch.tensor(float(layer.lora_alpha[ADAPTER]))
+        scale = _dora_scale(layer, ADAPTER)
+        if scale is not None:
+            state[f"{kohya}.dora_scale"] = scale
+    return {k: v.to(dtype or v.dtype).contiguous() for k, v in state.items()}
+
+
+def diffusers_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters in the diffusers/peft format `pipeline.load_lora_weights` reads natively:
+    `unet.<diffusers path>.lora_A.weight` / `.lora_B.weight` (and `text_encoder.`). The
+    scale alpha / rank is folded into lora_B, so the file needs no alpha (diffusers takes 1)."""
+    res_blocks = res_blocks_of(model.backbone)
+    state = {}
+    for name, layer in adapter_layers(model).items():
+        component, path = lora_kohya.module_path(name, res_blocks)
+        key = f"{component}.{path}"
+        scaling = layer.lora_alpha[ADAPTER] / layer.r[ADAPTER]
+        state[f"{key}.lora_A.weight"] = layer.lora_A[ADAPTER].weight.detach().float()
+        state[f"{key}.lora_B.weight"] = layer.lora_B[ADAPTER].weight.detach().float() * scaling
+        if layer.use_dora.get(ADAPTER):
+            # peft's own shape: (out,) for Linear, (1, out, 1, 1) for Conv2d
+            state[f"{key}.lora_magnitude_vector.weight"] = (
+                layer.lora_magnitude_vector[ADAPTER].weight.detach().float()
+            )
+    return {k: v.cpu().contiguous() for k, v in state.items()}
+
+
+def kohya_metadata(model: nn.Module, settings: LoraSettings, base_version: str) -> dict[str, str]:
+    """The `ss_*` metadata kohya's train_network.py writes that loaders read (all strings)."""
+    network_args = {}
+    if "conv" in settings.targets:
+        network_args["conv_dim"] = str(settings.conv_rank or settings.rank)
+        network_args["conv_alpha"] = str(settings.conv_alpha or settings.alpha or settings.rank)
+    if settings.dora:
+        network_args["dora_wd"] = "True"
+    import json
+
+    meta = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(settings.rank),
+        "ss_network_alpha": str(float(settings.alpha or settings.rank)),
+        "ss_network_dropout": str(settings.dropout),
+        "ss_base_model_version": base_version,
+        "ss_v2": str(base_version.startswith("sd_v2")),
+        "ss_training_comment": "lun-diffusion",
+    }
+    if network_args:
+        meta["ss_network_args"] = json.dumps(network_args)
+    return meta
+
+
+# --- merging -------------------------------------------------------------------------------
+def _unload(model: nn.Module) -> None:
+    """Replace every peft layer by its base layer (after merging, or to drop the adapters)."""
+    for name, layer in list(model.named_modules()):
+        if _is_lora_layer(layer):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, layer.get_base_layer())
+
+
+@torch.no_grad()
+def merge_adapters(model: nn.Module, weight: float = 1.0, adapter: str = ADAPTER) -> int:
+    """Fold `adapter` into the base weights and remove every peft layer; returns the number of
+    layers merged. The model is then a plain original one. At `weight` w the merged weight is
+    W + w (W1 - W), W1 being peft's merge at full strength: for LoRA that is W + w s B A, and
+    for DoRA it is how kohya-format loaders apply a strength (ComfyUI's weight_decompose)."""
+    layers = adapter_layers(model, adapter)
+    for layer in layers.values():
+        base = layer.get_base_layer().weight
+        before = base.detach().clone() if weight != 1.0 else None
+        layer.merge(safe_merge=True, adapter_names=[adapter])
+        if before is not None:
+            base.data = torch.lerp(before, base.detach(), weight)
+    _unload(model)
+    return len(layers)
+
+
+def kohya_modules(model: nn.Module) -> dict[str, str]:
+    """kohya LoRA name -> module name in `model` (a LatentDiffusion without adapters), for every
+    UNet and CLIP text-encoder Linear / Conv2d that has a kohya name."""
+    res_blocks = res_blocks_of(model.backbone)
+    found = {}
+    for name, module in model.named_modules():
+        if _lora_able(module):
+            try:
+                found[lora_kohya.kohya_name(name, res_blocks)] = name
+            except ValueError:
+                continue
+    return found
+
+
+@torch.no_grad()
+def merge_kohya(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    weight: float = 1.0,
+    source: str = "LoRA file",
+) -> int:
+    """Merge a kohya LoRA state dict (ours or any trainer's) into `model`'s base weights at
+    `weight`, through peft's layers; returns the number of layers changed. Adapters already in
+    the model must be merged first (`merge_adapters`)."""
+    if has_adapters(model):
+        raise ValueError("merge the model's own adapters first (merge_adapters)")
+    modules = kohya_modules(model)
+    downs = sorted(
+        k.removesuffix(".lora_down.weight") for k in state if k.endswith(".lora_down.weight")
+    )
+    if not downs:
+        raise ValueError(f"{source}: no kohya LoRA weights (<name>.lora_down.weight) in it")
+    unknown = [k for k in downs if k not in modules]
+    if unknown:
+        raise ValueError(
+            f"{source}: {len(unknown)} LoRA modules do not exist in this model, e.g. {unknown[0]} "
+            "(a LoRA for another model family?)"
+        )
+    names = [modules[k] for k in downs]
+    ranks = {modules[k]: state[k + ".lora_down.weight"].shape[0] for k in downs}
+    alphas = {
+        modules[k]: float(state[k + ".alpha"])
+        if k + ".alpha" in state
+        else float(ranks[modules[k]])
+        for k in downs
+    }
+    dora = any(k + ".dora_scale" in state for k in downs)
+    adapter = "merge"
+    _inject(model, names, ranks, alphas, use_dora=dora, init_lora_weights=False, adapter=adapter)
+    for kohya, name in zip(downs, names):
+        layer = model.get_submodule(name)
+        layer.lora_A[adapter].weight.copy_(state[kohya + ".lora_down.weight"])
+        layer.lora_B[adapter].weight.copy_(state[kohya + ".lora_up.weight"])
+        if dora:
+            magnitude = layer.lora_magnitude_vector[adapter].weight
+            found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
+            magnitude.copy_(found.reshape(magnitude.shape))
+    return merge_adapters(model, weight, adapter)
+
+
+def hold_base_for_training(model: nn.Module, trainer) -> None:
+    """At fit start: the frozen weights of the backbone in the training dtype (`base_dtype`)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+    settings = model.lora_settings
+    if settings.base_dtype == "auto" and isinstance(
+        trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)
+    ):
+        return  # they flatten / cast the parameters themselves
+    dtype = training_dtype(trainer.precision, settings.base_dtype)
+    if dtype is not None and dtype != torch.float32:
+        hold_frozen_in(model.model, dtype)

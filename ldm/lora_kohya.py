@@ -1,0 +1,99 @@
+"""The LoRA file formats other tools read: kohya-ss (A1111, ComfyUI, Forge, diffusers) and
+diffusers/peft - the names only; `ldm.lora` fills them with tensors.
+
+kohya names a SD 1.x/2.x UNet module by its diffusers path with `.` -> `_`
+(`lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q`) and a CLIP text
+encoder module by its transformers path (`lora_te_text_model_encoder_layers_0_self_attn_q_proj`).
+Our modules carry the original CompVis names, so the UNet's are mapped here: the rule is the
+inverse of AUTOMATIC1111's `convert_diffusers_name_to_compvis` (shared/reference/README.md,
+"kohya LoRA (SD1)"), written for any number of ResBlocks per level.
+"""
+
+import re
+
+from ldm.checkpoint import BACKBONE_PREFIX, CLIP_PREFIX
+
+UNET_PREFIX = BACKBONE_PREFIX + "diffusion_model."  # our UNet's modules in LatentDiffusion
+KOHYA_UNET, KOHYA_TEXT = "lora_unet_", "lora_te_"
+# Inside a ResBlock: CompVis name -> diffusers name.
+RESNET_NAMES = {
+    "in_layers.0": "norm1",
+    "in_layers.2": "conv1",
+    "emb_layers.1": "time_emb_proj",
+    "out_layers.0": "norm2",
+    "out_layers.3": "conv2",
+    "skip_connection": "conv_shortcut",
+}
+TOP_LEVEL_NAMES = {
+    "time_embed.0": "time_embedding.linear_1",
+    "time_embed.2": "time_embedding.linear_2",
+    "input_blocks.0.0": "conv_in",
+    "out.0": "conv_norm_out",
+    "out.2": "conv_out",
+}
+
+
+def _resnet_inner(inner: str) -> str:
+    for ours, theirs in RESNET_NAMES.items():
+        if inner == ours or inner.startswith(ours + "."):
+            return theirs + inner[len(ours) :]
+    raise ValueError(f"not a ResBlock module: {inner}")
+
+
+def _block_part(kind: str, level: int, index: int, layer: int, inner: str) -> str:
+    """One layer of a down/up block: layer 0 is the ResBlock, then the attention (a
+    SpatialTransformer: norm, proj_in, transformer_blocks, proj_out) or the resampler (`op` /
+    `conv`, the only names Downsample / Upsample have)."""
+    block = f"{kind}_blocks.{level}"
+    if layer == 0 and not inner.startswith(("op", "conv")):
+        return f"{block}.resnets.{index}.{_resnet_inner(inner)}"
+    if inner == "op" or inner == "conv":  # Downsample.op / Upsample.conv
+        sampler = "downsamplers" if kind == "down" else "upsamplers"
+        return f"{block}.{sampler}.0.conv"
+    return f"{block}.attentions.{index}.{inner}"
+
+
+def diffusers_unet_path(name: str, res_blocks: int) -> str:
+    """A UNet module's CompVis name (in `UNetModel`) -> its diffusers `UNet2DConditionModel` path.
+
+    res_blocks: ResBlocks per level on the way down (`num_res_blocks`; one more on the way up).
+    e.g. `output_blocks.7.1.transformer_blocks.0.attn2.to_k` with 2 ->
+    `up_blocks.2.attentions.1.transformer_blocks.0.attn2.to_k`.
+    """
+    for ours, theirs in TOP_LEVEL_NAMES.items():
+        if name == ours:
+            return theirs
+    found = re.fullmatch(
+        r"(input_blocks|middle_block|output_blocks)\.(\d+)(?:\.(\d+))?\.(.+)", name
+    )
+    if found is None:
+        raise ValueError(f"no diffusers name for UNet module '{name}'")
+    part, first, second, inner = found[1], int(found[2]), found[3], found[4]
+    if part == "middle_block":  # ResBlock, attention, ResBlock (no second index)
+        if first == 1:
+            return f"mid_block.attentions.0.{inner}"
+        return f"mid_block.resnets.{first // 2}.{_resnet_inner(inner)}"
+    if second is None:
+        raise ValueError(f"no diffusers name for UNet module '{name}'")
+    layer = int(second)
+    if part == "input_blocks":  # block 0 is conv_in; then per level res_blocks + a Downsample
+        level, index = divmod(first - 1, res_blocks + 1)
+        return _block_part("down", level, index, layer, inner)
+    level, index = divmod(first, res_blocks + 1)
+    return _block_part("up", level, index, layer, inner)
+
+
+def module_path(key: str, res_blocks: int) -> tuple[str, str]:
+    """A module's name in `LatentDiffusion` -> (component, path in the diffusers pipeline's
+    component): ("unet", "down_blocks.0...") or ("text_encoder", "text_model.encoder...")."""
+    if key.startswith(UNET_PREFIX):
+        return "unet", diffusers_unet_path(key.removeprefix(UNET_PREFIX), res_blocks)
+    if key.startswith(CLIP_PREFIX + "text_model."):
+        return "text_encoder", key.removeprefix(CLIP_PREFIX)
+    raise ValueError(f"no kohya / diffusers LoRA name for module '{key}'")
+
+
+def kohya_name(key: str, res_blocks: int) -> str:
+    """A module's name in `LatentDiffusion` -> its kohya LoRA name (without `.lora_down...`)."""
+    component, path = module_path(key, res_blocks)
+    return (KOHYA_UNET if component == "unet" else KOHYA_TEXT) + path.replace(".", "_")

@@ -1,0 +1,113 @@
+"""LoRA files from a LoRA run, and merges into a full checkpoint.
+
+    # kohya format (AUTOMATIC1111, ComfyUI, Forge, diffusers load_lora_weights)
+    python scripts/lora.py export logs/<run>/checkpoints/last.ckpt my-lora.safetensors
+    # diffusers/peft format (pipeline.load_lora_weights reads it natively)
+    python scripts/lora.py export logs/<run>/checkpoints/last.ckpt out.safetensors --format diffusers
+    # the run's adapters (and/or any kohya files) merged into an original-layout checkpoint
+    python scripts/lora.py merge logs/<run>/checkpoints/last.ckpt merged.safetensors --weight 0.8
+    python scripts/lora.py merge --config configs/stable-diffusion/v1-inference.yaml \
+        v1-5-pruned.safetensors merged.safetensors --lora other.safetensors:0.7
+
+--ema takes the EMA of the adapters (when the checkpoint has it).
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from ldm import checkpoint, lora
+from ldm.util import instantiate_from_config
+from lun.config import check_complete, merge_configs, to_container
+from lun.generation import find_config, one_line_errors, writing
+
+
+def load_model(args):
+    """The run's model (its config, adapters included) with the checkpoint's weights."""
+    cfg = merge_configs([args.config] if args.config else find_config(Path(args.ckpt)))
+    cfg.model.params.pop("ckpt_path", None)
+    check_complete(cfg.model)
+    model = instantiate_from_config(to_container(cfg.model))
+    checkpoint.load_weights(model, args.ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    return model.eval()
+
+
+def file_and_weight(text: str) -> tuple[str, float]:
+    """ "FILE[:WEIGHT]" -> (FILE, WEIGHT); weight 1 when none is given."""
+    path, _, weight = text.rpartition(":")
+    try:
+        return path, float(weight)
+    except ValueError:
+        return text, 1.0
+
+
+def export(args) -> None:
+    model = load_model(args)
+    if not lora.has_adapters(model):
+        raise ValueError(f"{args.ckpt}: its config has no model.params.lora: nothing to export")
+    dtype = torch.float16 if args.half else None
+    if args.format == "kohya":
+        state = lora.kohya_state_dict(model, dtype)
+        version = (
+            "sd_v2" if model.conditioner.__class__.__name__ == "FrozenOpenCLIPEmbedder" else "sd_v1"
+        )
+        version += "_v" if model.parameterization == "v" else ""
+        metadata = lora.kohya_metadata(model, model.lora_settings, version)
+    else:
+        state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}
+        metadata = {"format": "pt"}
+    with writing(args.out):
+        checkpoint.save_safetensors(state, args.out, metadata=metadata)
+    print(f"wrote {args.out} ({len(state)} tensors, {args.format} format)")
+
+
+def merge(args) -> None:
+    model = load_model(args)
+    merged = lora.merge_adapters(model, args.weight) if lora.has_adapters(model) else 0
+    for item in args.lora:
+        path, weight = file_and_weight(item)
+        state = checkpoint.load_file_state(path)
+        merged += lora.merge_kohya(model, checkpoint.state_dict_of(state), weight, source=path)
+    if not merged:
+        raise ValueError("nothing to merge: the checkpoint has no adapters and no --lora was given")
+    state = {k: v for k, v in model.state_dict().items()}
+    dtype = torch.float16 if args.half else None
+    with writing(args.out):
+        checkpoint.save_safetensors(state, args.out, dtype=dtype, metadata={"format": "pt"})
+    print(f"wrote {args.out} ({merged} layers merged)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name in ("export", "merge"):
+        sub = commands.add_parser(name)
+        sub.add_argument("ckpt", help="a LoRA run's checkpoint (or, for merge, any SD checkpoint)")
+        sub.add_argument("out", help="output .safetensors")
+        sub.add_argument("--config", help="model config (default: the run folder's saved config)")
+        sub.add_argument("--ema", action="store_true", help="use the EMA weights of the adapters")
+        sub.add_argument("--half", action="store_true", help="store floating tensors as fp16")
+        sub.add_argument("--unsafe-load", action="store_true", help="allow pickled code")
+    commands.choices["export"].add_argument(
+        "--format", choices=["kohya", "diffusers"], default="kohya"
+    )
+    commands.choices["merge"].add_argument(
+        "--weight", type=float, default=1.0, help="the run's adapters' strength"
+    )
+    commands.choices["merge"].add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:WEIGHT]",
+        help="kohya LoRA files to merge too",
+    )
+    args = parser.parse_args(argv)
+    with one_line_errors():
+        export(args) if args.command == "export" else merge(args)
+
+
+if __name__ == "__main__":
+    main()
