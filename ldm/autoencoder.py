@@ -75,8 +75,8 @@ class AttnBlock(nn.Module):
             return conv(normed).reshape(b, 1, c, h * w).transpose(-1, -2)  # (B, 1, HW, C)
 
         # softmax(q k^T / sqrt(C)) v - SDPA's default scale is the original's c**-0.5. In float32
-        # under half-precision autocast: with one head of C = 512 channels the logits of a
-        # trained VAE's mid block overflow float16 (it runs at the lowest resolution: cheap).
+        # under half-precision autocast: one head over C = 512 channels sums 512 products per
+        # logit, which large activations push past float16's range (lowest resolution: cheap).
         q, k, v = tokens(self.q), tokens(self.k), tokens(self.v)
         with torch.autocast(x.device.type, enabled=False):
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(v.dtype)
@@ -223,6 +223,7 @@ class Decoder(nn.Module):
         self.up = nn.ModuleList(levels)
         self.norm_out = normalize(block_in)
         self.conv_out = nn.Conv2d(block_in, out_ch, 3, padding=1)
+        self.float32_output = False  # set by the VAE trainer: conv_out outside autocast
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.mid(self.conv_in(z))  # (B, ch*ch_mult[-1], h, w)
@@ -230,7 +231,11 @@ class Decoder(nn.Module):
             h = _run_level(level, h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))  # (B, out_ch, h*f, w*f)
+        h = F.silu(self.norm_out(h))
+        if self.float32_output:
+            with torch.autocast(h.device.type, enabled=False):
+                return self.conv_out(h.to(self.conv_out.weight.dtype))  # (B, out_ch, h*f, w*f)
+        return self.conv_out(h)  # (B, out_ch, h*f, w*f)
 
 
 class DiagonalGaussianDistribution:

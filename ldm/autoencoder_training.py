@@ -17,6 +17,7 @@ has its own gradient scaler: an overflow of the discriminator does not shrink th
 loss scale.
 """
 
+import math
 from collections.abc import Mapping
 
 import lightning.pytorch as pl
@@ -75,6 +76,9 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         self.adam_betas = tuple(adam_betas)
         self.train_decoder_only = train_decoder_only
         self.resolution = ddconfig["resolution"]
+        # The decoder's last conv in float32: the adaptive weight differentiates the loss there,
+        # and in float16 that gradient (a sum over every pixel) overflows (see ldm.vae_loss).
+        self.decoder.float32_output = True
         if train_decoder_only:
             for name in FROZEN_BY_DECODER_ONLY:
                 getattr(self, name).requires_grad_(False)
@@ -141,10 +145,15 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         plugin = self.trainer.precision_plugin
         if stage == "fit" and getattr(plugin, "precision", None) == "16-mixed":
             device = self.trainer.strategy.root_device.type
-            # Lightning gives CPU runs no scaler; a loss scale is what keeps fp16 gradients alive.
-            if plugin.scaler is None:
-                plugin.scaler = torch.amp.GradScaler(device)
-            self._grad_scalers = [plugin.scaler, torch.amp.GradScaler(device)]
+            # The usual first scale 2**16 suits a per-pixel mean; this loss sums C*H*W pixels
+            # (gradients that much larger), so it starts that much lower instead of overflowing
+            # for its first ~20 steps. (Lightning gives CPU runs no scaler at all.)
+            pixels = self.decoder.conv_out.out_channels * self.resolution**2
+            first_scale = 2.0**16 / 2.0 ** math.ceil(math.log2(pixels))
+            self._grad_scalers = [
+                torch.amp.GradScaler(device, init_scale=first_scale) for _ in range(2)
+            ]
+            plugin.scaler = self._grad_scalers[0]
             if self._loaded_disc_scaler is not None:
                 self._grad_scalers[1].load_state_dict(self._loaded_disc_scaler)
 
@@ -154,10 +163,8 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         step = self.global_step
         recs, posterior = self(x)
 
-        with self._scaler(0) as scale:
-            g_loss, g_log = self.loss.generator_loss(
-                x, recs, posterior, step, self.last_layer(), grad_scale=scale
-            )
+        with self._scaler(0):
+            g_loss, g_log = self.loss.generator_loss(x, recs, posterior, step, self.last_layer())
             opt_g.zero_grad(set_to_none=True)
             self.manual_backward(g_loss)
             opt_g.step()  # counts the global step
@@ -176,7 +183,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
 
     def _scaler(self, index: int):
         """Make `_grad_scalers[index]` the precision plugin's scaler for one optimizer's
-        backward and step; yields its current scale (1.0 without fp16 loss scaling)."""
+        backward and step (nothing to do without fp16 loss scaling)."""
         return _SwapScaler(self, index)
 
     def validation_step(self, batch, batch_idx):
@@ -205,13 +212,9 @@ class _SwapScaler:
     def __init__(self, module: AutoencoderKLTraining, index: int):
         self.module, self.index = module, index
 
-    def __enter__(self) -> float:
-        scalers = self.module._grad_scalers
-        if scalers is None:
-            return 1.0
-        plugin = self.module.trainer.precision_plugin
-        plugin.scaler = scalers[self.index]
-        return float(plugin.scaler.get_scale()) if plugin.scaler.is_enabled() else 1.0
+    def __enter__(self) -> None:
+        if self.module._grad_scalers is not None:
+            self.module.trainer.precision_plugin.scaler = self.module._grad_scalers[self.index]
 
     def __exit__(self, *exc) -> None:
         if self.module._grad_scalers is not None:

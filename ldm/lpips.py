@@ -28,6 +28,16 @@ SHIFT = (-0.030, -0.088, -0.188)
 SCALE = (0.458, 0.448, 0.450)
 HEADS_FILE = os.path.join("weights", "v0.1", "vgg.pth")
 RANDOM = "random"  # perceptual_weights value for tests: a random backbone (no meaning as a metric)
+# Where torchvision caches the VGG16 ImageNet file (the original LPIPS loss fetched it there).
+TORCHVISION_VGG16 = os.path.join("checkpoints", "vgg16-397923af.pth")
+
+
+def default_vgg16_path() -> str | None:
+    """torchvision's cached VGG16 ImageNet file under the torch hub folder, if it is there."""
+    import torch.hub
+
+    path = os.path.join(torch.hub.get_dir(), TORCHVISION_VGG16)
+    return path if os.path.isfile(path) else None
 
 
 def vgg16_features() -> nn.Sequential:

@@ -11,17 +11,18 @@ pixel as in the original), disc_factor is 0 before `disc_start`, and lambda is t
 weight ||grad_L nll|| / (||grad_L g|| + 1e-4) * disc_weight at the decoder's last layer L (Esser
 et al. Eq. 7). The parameter names are the original `LPIPSWithDiscriminator`'s, so configs load.
 
-Precision: every term is computed in float32 whatever the autocast around it - the pixel sums
-reach ~1e6 and the KL's exp(logvar) ~5e8, both beyond float16 - and the adaptive weight's
-gradients are taken of the loss-scaled terms, so the discriminator's small gradients do not
-underflow float16 on their way back to the decoder (which made lambda hit its 1e4 clamp).
+Precision: every term, the discriminator's logits and the adaptive weight are computed in
+float32 whatever the autocast around them. The pixel sums reach ~1e6 and the KL's exp(logvar)
+~5e8, both beyond float16; and the gradient of the pixel sum at the decoder's last weight is a sum
+over all H*W positions (~1e5 at 512 px): in float16 it overflows to inf, and lambda = inf / inf
+is the NaN the original recipe gave under fp16 (the trainer runs that last layer in float32).
 """
 
 import torch
 from torch import nn
 
 from ldm.discriminator import DISC_LOSSES, NLayerDiscriminator
-from ldm.lpips import LPIPS
+from ldm.lpips import LPIPS, default_vgg16_path
 
 REC_LOSSES = ("l1", "l2")
 MAX_ADAPTIVE_WEIGHT = 1e4
@@ -49,8 +50,9 @@ class LPIPSWithDiscriminator(nn.Module):
         use_actnorm, disc_conditional: original options; only false is supported.
         disc_loss: "hinge" or "vanilla" (non-saturating).
         rec_loss: "l1" (original) or "l2" (as the published sd-vae-ft-mse decoder).
-        perceptual_weights: torchvision's VGG16 ImageNet file for LPIPS (needed when
-            perceptual_weight > 0; "random" gives a random backbone, for tests).
+        perceptual_weights: torchvision's VGG16 ImageNet file for LPIPS (default: torchvision's
+            cached `<torch hub>/checkpoints/vgg16-397923af.pth` when present; "random" gives a
+            random backbone, for tests).
         lpips_heads: the LPIPS linear heads file (default: the one in the `lpips` package).
         disc_ndf: width of the discriminator's first layer (64).
     """
@@ -88,10 +90,12 @@ class LPIPSWithDiscriminator(nn.Module):
         self.rec_loss, self.disc_loss = rec_loss, disc_loss
         self.register_buffer("logvar", torch.tensor(float(logvar_init)))  # original key loss.logvar
         if perceptual_weight > 0:
+            perceptual_weights = perceptual_weights or default_vgg16_path()
             if perceptual_weights is None:
                 raise ValueError(
                     "lossconfig.params.perceptual_weights: the LPIPS loss needs torchvision's VGG16 "
-                    "ImageNet weights (vgg16-397923af.pth); give its path, or perceptual_weight: 0"
+                    "ImageNet weights (vgg16-397923af.pth, not found in the torch hub cache); "
+                    "give its path, or set perceptual_weight: 0"
                 )
             self.perceptual_loss = LPIPS(perceptual_weights, lpips_heads)
         self.discriminator = NLayerDiscriminator(
@@ -120,10 +124,9 @@ class LPIPSWithDiscriminator(nn.Module):
         posterior,
         step: int,
         last_layer: torch.Tensor | None = None,
-        grad_scale: float = 1.0,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """L_G and its parts. `last_layer` (the decoder's last weight) gives the adaptive weight;
-        None (validation) gives 0. `grad_scale` is the fp16 loss scale of this step (1 otherwise)."""
+        None (validation) gives 0."""
         with torch.autocast(inputs.device.type, enabled=False):
             rec, p_loss = self.reconstruction(inputs, recs)
             nll = rec / self.logvar.exp() + self.logvar
@@ -134,7 +137,7 @@ class LPIPSWithDiscriminator(nn.Module):
                 logits_fake = self.discriminator(recs.float())
                 g_loss = -logits_fake.float().mean()
                 d_weight = (
-                    self.adaptive_weight(nll_loss, g_loss, last_layer, grad_scale)
+                    self.adaptive_weight(nll_loss, g_loss, last_layer)
                     if last_layer is not None
                     else torch.zeros((), device=inputs.device)
                 )
@@ -154,20 +157,14 @@ class LPIPSWithDiscriminator(nn.Module):
         }
         return loss, log
 
-    def adaptive_weight(self, nll_loss, g_loss, last_layer, grad_scale: float = 1.0):
+    def adaptive_weight(self, nll_loss, g_loss, last_layer):
         """lambda = ||grad nll|| / (||grad g|| + 1e-4), clamped to [0, 1e4], times disc_weight
-        (Esser et al. 2021, Eq. 7), from the gradients at the decoder's last layer.
-
-        Both losses are multiplied by the fp16 loss scale before differentiating (and the norms
-        divided by it after), as the training backward does: unscaled, the GAN term's gradient
-        underflows float16 in the backward through the half-precision decoder, its norm reads 0
-        and lambda jumps to the clamp. A non-finite norm (an overflowing step, which the gradient
-        scaler skips anyway) gives lambda = 0."""
-        nll_grad = torch.autograd.grad(nll_loss * grad_scale, last_layer, retain_graph=True)[0]
-        g_grad = torch.autograd.grad(g_loss * grad_scale, last_layer, retain_graph=True)[0]
-        nll_norm = nll_grad.float().norm() / grad_scale
-        g_norm = g_grad.float().norm() / grad_scale
-        weight = (nll_norm / (g_norm + 1e-4)).clamp(0.0, MAX_ADAPTIVE_WEIGHT)
+        (Esser et al. 2021, Eq. 7), from the gradients at the decoder's last layer; a
+        non-finite ratio (an overflowing step, which the gradient scaler skips) gives 0."""
+        nll_grad = torch.autograd.grad(nll_loss, last_layer, retain_graph=True)[0]
+        g_grad = torch.autograd.grad(g_loss, last_layer, retain_graph=True)[0]
+        weight = nll_grad.float().norm() / (g_grad.float().norm() + 1e-4)
+        weight = weight.clamp(0.0, MAX_ADAPTIVE_WEIGHT)
         weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
         return weight.detach() * self.disc_weight
 
