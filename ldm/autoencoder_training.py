@@ -18,6 +18,7 @@ loss scale.
 """
 
 import math
+import os
 from collections.abc import Mapping
 
 import lightning.pytorch as pl
@@ -68,6 +69,8 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         colorize_nlabels: int | None = None,
         use_ema: bool = False,
     ):
+        if ckpt_path is not None and not os.path.isfile(ckpt_path):
+            raise ValueError(f"model.params.ckpt_path: {ckpt_path} does not exist")
         if colorize_nlabels is not None:
             raise ValueError("colorize_nlabels (segmentation autoencoders) is not supported")
         super().__init__(ddconfig, embed_dim, None, ckpt_path, ignore_keys, monitor, image_key)
