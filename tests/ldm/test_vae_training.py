@@ -314,3 +314,57 @@ def test_mixed_precision_training_stays_finite(tmp_path, precision):
         generator, discriminator = vae._grad_scalers
         assert generator is not discriminator
         assert generator.get_scale() < 2.0**16  # started below the per-pixel-mean default
+
+
+# --- original configs -------------------------------------------------------------------------
+ORIGINAL_VAE_MODEL = """
+base_learning_rate: 4.5e-6
+target: ldm.models.autoencoder.AutoencoderKL
+params:
+  monitor: "val/rec_loss"
+  embed_dim: 4
+  lossconfig:
+    target: ldm.modules.losses.LPIPSWithDiscriminator
+    params: {disc_start: 50001, kl_weight: 0.000001, disc_weight: 0.5}
+  ddconfig:
+    double_z: True
+    z_channels: 4
+    resolution: 256
+    in_channels: 3
+    out_ch: 3
+    ch: 128
+    ch_mult: [ 1,2,4,4 ]
+    num_res_blocks: 2
+    attn_resolutions: [ ]
+    dropout: 0.0
+"""  # the model section of CompVis' autoencoder_kl_32x32x4.yaml (shared/reference/configs)
+
+
+def test_original_training_config_model_section_builds_unchanged(monkeypatch):
+    import yaml
+
+    from ldm import vae_loss
+
+    monkeypatch.setattr(vae_loss, "default_vgg16_path", lambda: "random")  # as if cached
+    vae = instantiate_from_config(yaml.safe_load(ORIGINAL_VAE_MODEL))
+    assert isinstance(vae, AutoencoderKLTraining) and isinstance(vae, pl.LightningModule)
+    assert vae.loss.disc_start == 50001 and vae.loss.disc_weight == 0.5
+    assert vae.latent_shape(256, 256) == (4, 32, 32)
+
+
+def test_first_stage_trainable_is_accepted_and_the_vae_stays_frozen(caplog):
+    from ldm.util import latent_diffusion_params
+
+    first_stage = {
+        "target": "ldm.models.autoencoder.AutoencoderKL",
+        "params": {"lossconfig": lossconfig()},
+    }
+    with caplog.at_level("WARNING", logger="ldm.util"):
+        params = latent_diffusion_params(
+            {"first_stage_trainable": True, "first_stage_config": first_stage}
+        )
+    assert "first_stage_trainable" not in params
+    assert params["first_stage_config"]["params"]["lossconfig"] is None
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any("first_stage_trainable: true" in w and "not optimised" in w for w in warnings)
+    assert any("lossconfig" in w and "no effect" in w for w in warnings)
