@@ -258,7 +258,8 @@ def overflowing_vae(last_layer_fp32: bool) -> AutoencoderKLTraining:
     with torch.no_grad():
         vae.decoder.norm_out.weight.mul_(3000.0)
         vae.loss.discriminator.main[-1].weight.mul_(1e5)
-    vae.decoder.float32_output = last_layer_fp32
+    if not last_layer_fp32:  # the state before the fix; the trainer's own default otherwise
+        vae.decoder.float32_output = False
     return vae
 
 
