@@ -15,12 +15,12 @@ TORCH_SPEC := $(if $(filter cpu,$(TORCH)),torch==2.13.0,$(TORCH))
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt requirements-lpips.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q "$(TORCH_SPEC)"
 	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
-	$(PIP) install -q --no-deps -r requirements-vocab.txt
+	$(PIP) install -q --no-deps -r requirements-vocab.txt -r requirements-lpips.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 

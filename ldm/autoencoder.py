@@ -3,8 +3,8 @@
 Parameter names follow the original CompVis `ldm.modules.diffusionmodules.model` /
 `ldm.models.autoencoder` exactly (`encoder.down.N.block.M.conv1`, `decoder.up.N.upsample.conv`,
 `quant_conv`, ...), so the `first_stage_model.*` weights of every SD v1/v2 checkpoint load with
-`strict=True`. The VAE is frozen during diffusion training: there is no loss, discriminator or
-training step here.
+`strict=True`. This is the VAE as a diffusion model's first stage; training it (loss,
+discriminator, optimizers) is `ldm.autoencoder_training.AutoencoderKLTraining`.
 """
 
 import torch
@@ -74,8 +74,12 @@ class AttnBlock(nn.Module):
         def tokens(conv: nn.Conv2d) -> torch.Tensor:
             return conv(normed).reshape(b, 1, c, h * w).transpose(-1, -2)  # (B, 1, HW, C)
 
-        # softmax(q k^T / sqrt(C)) v - SDPA's default scale is the original's c**-0.5.
-        out = F.scaled_dot_product_attention(tokens(self.q), tokens(self.k), tokens(self.v))
+        # softmax(q k^T / sqrt(C)) v - SDPA's default scale is the original's c**-0.5. In float32
+        # under half-precision autocast: one head over C = 512 channels sums 512 products per
+        # logit, which large activations push past float16's range (lowest resolution: cheap).
+        q, k, v = tokens(self.q), tokens(self.k), tokens(self.v)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float()).to(v.dtype)
         out = out.transpose(-1, -2).reshape(b, c, h, w)  # (B, C, H, W)
         return x + self.proj_out(out)
 
@@ -219,6 +223,7 @@ class Decoder(nn.Module):
         self.up = nn.ModuleList(levels)
         self.norm_out = normalize(block_in)
         self.conv_out = nn.Conv2d(block_in, out_ch, 3, padding=1)
+        self.float32_output = False  # set by the VAE trainer: conv_out outside autocast
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         h = self.mid(self.conv_in(z))  # (B, ch*ch_mult[-1], h, w)
@@ -226,7 +231,11 @@ class Decoder(nn.Module):
             h = _run_level(level, h)
             if hasattr(level, "upsample"):
                 h = level.upsample(h)
-        return self.conv_out(F.silu(self.norm_out(h)))  # (B, out_ch, h*f, w*f)
+        h = F.silu(self.norm_out(h))
+        if self.float32_output:
+            with torch.autocast(h.device.type, enabled=False):
+                return self.conv_out(h.to(self.conv_out.weight.dtype))  # (B, out_ch, h*f, w*f)
+        return self.conv_out(h)  # (B, out_ch, h*f, w*f)
 
 
 class DiagonalGaussianDistribution:
@@ -259,7 +268,8 @@ class AutoencoderKL(nn.Module):
             levels attend; [] in SD), `dropout`, `in_channels`, `out_ch`, `resolution`,
             `z_channels`, `double_z` (must be true: mean and log-variance), `attn_type`.
         embed_dim: latent channels after `quant_conv` (4 in SD).
-        lossconfig: only `torch.nn.Identity` (or None): the VAE is not trained here.
+        lossconfig: only `torch.nn.Identity` (or None): this module is not trained (see
+            `ldm.autoencoder_training` for the trainable one).
         ckpt_path: optional weights file (`.safetensors` / `.ckpt`) holding this VAE, bare or
             under `first_stage_model.`, e.g. a fine-tuned VAE swapped into a model.
         ignore_keys: key prefixes dropped from `ckpt_path` before loading.
@@ -282,7 +292,8 @@ class AutoencoderKL(nn.Module):
         if loss_target not in IDENTITY_LOSSES:
             raise ValueError(
                 f"first_stage_config.params.lossconfig.target: '{loss_target}' is not supported; "
-                "lun-diffusion keeps the VAE frozen, so only torch.nn.Identity (or no lossconfig)"
+                "this VAE is frozen (torch.nn.Identity or no lossconfig); to train a VAE use the "
+                "target ldm.autoencoder_training.AutoencoderKLTraining"
             )
         z_channels = ddconfig["z_channels"]
         shared = {k: ddconfig[k] for k in SHARED_DDCONFIG_KEYS}

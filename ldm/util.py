@@ -3,15 +3,21 @@
 import difflib
 import importlib
 import inspect
+import logging
 import pkgutil
 from collections.abc import Callable, Mapping
+
+logger = logging.getLogger(__name__)
 
 # The original CompVis / Stability-AI configs name their classes by the original module paths.
 # They load unchanged: each original path maps to the class that replaces it here.
 ORIGINAL_TARGETS = {
     "ldm.models.diffusion.ddpm.LatentDiffusion": "ldm.diffusion.LatentDiffusion",
     "ldm.modules.diffusionmodules.openaimodel.UNetModel": "ldm.unet.UNetModel",
-    "ldm.models.autoencoder.AutoencoderKL": "ldm.autoencoder.AutoencoderKL",
+    # With a training loss the trainable VAE module, with torch.nn.Identity the frozen VAE.
+    "ldm.models.autoencoder.AutoencoderKL": "ldm.autoencoder_training.autoencoder_kl",
+    "ldm.modules.losses.LPIPSWithDiscriminator": "ldm.vae_loss.LPIPSWithDiscriminator",
+    "ldm.modules.losses.contperceptual.LPIPSWithDiscriminator": "ldm.vae_loss.LPIPSWithDiscriminator",
     "ldm.models.autoencoder.IdentityFirstStage": "ldm.autoencoder.IdentityFirstStage",
     "ldm.modules.encoders.modules.FrozenCLIPEmbedder": "ldm.text_encoder.FrozenCLIPEmbedder",
     "ldm.modules.encoders.modules.FrozenOpenCLIPEmbedder": "ldm.text_encoder.FrozenOpenCLIPEmbedder",
@@ -89,17 +95,37 @@ def latent_diffusion_params(params: Mapping) -> dict:
         conditioner["ucg_rate"] = params.pop("ucg_rate")
     if "cond_stage_trainable" in params:
         conditioner["freeze"] = not params.pop("cond_stage_trainable")
-    # The VAE is frozen here (its latents may be cached; the training step encodes without
-    # gradients): `false` is what happens anyway, `true` is refused with what to use instead.
+    # translunar-diffusion's InvokeAI-nyoom defines `first_stage_trainable: true` as "VAE in
+    # train mode with requires_grad", but encodes under no_grad, detaches the latent and gives
+    # the optimizer only the UNet (and conditioner): its weights never change. Here it is frozen
+    # all along - the same weights - and the run says so once.
     if params.pop("first_stage_trainable", False):
-        raise ParamError(
-            "first_stage_trainable: true is not supported: the first stage (VAE) is frozen "
-            "here; fine-tune the VAE on its own and load its weights with "
-            "first_stage_config.params.ckpt_path"
+        logger.warning(
+            "model.params.first_stage_trainable: true - as in translunar-diffusion, the VAE "
+            "gets no gradient and is not optimised (its weights stay as loaded); to train the "
+            "VAE use configs/autoencoder/ and swap it in with scripts/swap_vae.py"
         )
+    first_stage = params.get("first_stage_config")
+    if isinstance(first_stage, Mapping):
+        params["first_stage_config"] = _frozen_first_stage(first_stage)
     if conditioner and "conditioner_config" in params:
         params["conditioner_config"] = _with_params(params["conditioner_config"], **conditioner)
     return params
+
+
+def _frozen_first_stage(config: Mapping) -> dict:
+    """A first stage's training loss (the original `lossconfig: LPIPSWithDiscriminator`) has no
+    use in a diffusion model, whose VAE is frozen: dropped with one warning line."""
+    loss = (config.get("params") or {}).get("lossconfig")
+    target = loss.get("target") if isinstance(loss, Mapping) else None
+    if target in (None, "torch.nn.Identity"):
+        return dict(config)
+    logger.warning(
+        "model.params.first_stage_config.params.lossconfig (%s) has no effect: the diffusion "
+        "model's VAE is frozen",
+        target,
+    )
+    return _with_params(config, lossconfig=None)
 
 
 def _with_params(config: Mapping, **values) -> dict:

@@ -99,7 +99,6 @@ def test_compvis_style_config_trains_with_one_notice_per_legacy_key(tmp_path, sh
         (["--gpus", "zero"], "--gpus='zero': expected a GPU count"),
         (["~data.params.nothing"], "~data.params.nothing: no such key"),
         (["data.params.train._replace_=maybe"], "data.params.train._replace_='maybe'"),
-        (["model.params.first_stage_trainable=true"], "first_stage_config.params.ckpt_path"),
     ],
 )
 def test_bad_legacy_value_is_one_line_exit_2(tmp_path, shapes_dir, args, message):

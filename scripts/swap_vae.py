@@ -1,0 +1,94 @@
+"""Put a trained VAE into a Stable Diffusion checkpoint, or write it alone.
+
+    python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt \
+        --ckpt v1-5-pruned.safetensors --out v1-5-myvae.safetensors
+    python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt --out myvae.safetensors
+
+The VAE may be a checkpoint of `configs/autoencoder/` training (`encoder.*`, `decoder.*`, ...),
+a standalone VAE file, or a full SD checkpoint (`first_stage_model.*`); `--ema` takes the EMA
+weights of a training checkpoint. With `--ckpt` every `first_stage_model.*` weight of the
+diffusion checkpoint is replaced (same names and shapes, or the script stops naming the first
+mismatch); without it the VAE alone is written with the original bare names, the layout
+AUTOMATIC1111 and ComfyUI load as a VAE file. Output is `.safetensors`.
+"""
+
+import argparse
+import sys
+
+import torch
+
+from ldm.checkpoint import (
+    EMA_PREFIX,
+    FIRST_STAGE_PREFIX,
+    ema_key,
+    load_file_state,
+    save_safetensors,
+    state_dict_of,
+)
+
+VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
+
+
+def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str, torch.Tensor]:
+    """The VAE's weights under their bare original names, from any of the accepted files."""
+    state = state_dict_of(load_file_state(path, unsafe=unsafe))
+    if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
+        state = {k.removeprefix(FIRST_STAGE_PREFIX): v for k, v in state.items()}
+    vae = {k: v for k, v in state.items() if k.startswith(VAE_PARTS)}
+    if not vae:
+        raise ValueError(f"{path}: holds no VAE weights (encoder.*, decoder.*, ...)")
+    if ema:
+        shadows = {k: state[ema_key(k)] for k in vae if ema_key(k) in state}
+        if not shadows:
+            raise ValueError(f"{path}: --ema asked, but it has no {EMA_PREFIX}* weights")
+        vae.update(shadows)  # frozen parts (train_decoder_only) keep their raw weights
+    return vae
+
+
+def swap(diffusion: dict, vae: dict, what: str) -> dict:
+    """`diffusion` with its `first_stage_model.*` replaced by `vae` (names and shapes must match)."""
+    own = {
+        k.removeprefix(FIRST_STAGE_PREFIX) for k in diffusion if k.startswith(FIRST_STAGE_PREFIX)
+    }
+    if own != set(vae):
+        missing, extra = sorted(own - set(vae)), sorted(set(vae) - own)
+        raise ValueError(f"{what}: VAE names differ: missing {missing[:3]}, unexpected {extra[:3]}")
+    out = dict(diffusion)
+    for name, tensor in vae.items():
+        old = diffusion[FIRST_STAGE_PREFIX + name]
+        if old.shape != tensor.shape:
+            raise ValueError(
+                f"{what}: {name} is {tuple(tensor.shape)}, expected {tuple(old.shape)}"
+            )
+        out[FIRST_STAGE_PREFIX + name] = tensor.to(old.dtype)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vae", required=True, help="trained VAE (.ckpt / .safetensors)")
+    parser.add_argument("--ckpt", help="SD checkpoint to put it into (omit: write the VAE alone)")
+    parser.add_argument("--out", required=True, help="output .safetensors")
+    parser.add_argument("--ema", action="store_true", help="take the VAE's EMA weights")
+    parser.add_argument("--half", action="store_true", help="write float16 weights")
+    parser.add_argument("--unsafe-load", action="store_true", help="trust pickled code")
+    opt = parser.parse_args(argv)
+    if not opt.out.endswith(".safetensors"):
+        print(f"error: --out {opt.out}: expected a .safetensors file name", file=sys.stderr)
+        return 2
+    try:
+        vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
+        if opt.ckpt:
+            state = swap(state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load)), vae, opt.ckpt)
+        else:
+            state = vae
+    except (OSError, ValueError, KeyError) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        return 2
+    save_safetensors(state, opt.out, dtype=torch.float16 if opt.half else None)
+    print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

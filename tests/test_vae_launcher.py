@@ -1,0 +1,50 @@
+"""Every configs/autoencoder/*.yaml trains 2 steps through the launcher at toy size."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import run_main
+from safetensors.torch import save_file
+
+from ldm.autoencoder import AutoencoderKL
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs" / "autoencoder").glob("*.yaml"))
+TINY = {"ch": 32, "ch_mult": "[1,2]", "num_res_blocks": 1, "resolution": 32}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
+    overrides = [f"model.params.ddconfig.{k}={v}" for k, v in TINY.items()] + [
+        f"data.params.train.params.data_root={shapes_dir}",
+        "data.params.train.params.size=32",
+        "data.params.batch_size=2",
+        "data.params.num_workers=0",
+        "model.params.lossconfig.params.perceptual_weights=random",
+        "model.params.lossconfig.params.disc_start=1",
+        "lightning.trainer.max_steps=2",
+        "lightning.trainer.accelerator=cpu",
+        "lightning.trainer.precision=32-true",
+    ]
+    start = None
+    if "ckpt_path" in config.read_text():
+        dd = dict(double_z=True, z_channels=4, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2])
+        dd |= dict(num_res_blocks=1, attn_resolutions=[], dropout=0.0, resolution=32)
+        start = {f"first_stage_model.{k}": v for k, v in AutoencoderKL(dd, 4).state_dict().items()}
+        save_file(start, tmp_path / "sd.safetensors")
+        overrides.append(f"model.params.ckpt_path={tmp_path / 'sd.safetensors'}")
+    logs = tmp_path / "logs"
+    result = run_main(["--base", str(config), *overrides, "-l", str(logs), "-t"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = logs.iterdir()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")
+    assert ckpt["global_step"] == 2  # one step per batch, two optimizers
+    state = ckpt["state_dict"]
+    assert "decoder.conv_out.weight" in state and "loss.discriminator.main.0.weight" in state
+    if start is not None:  # train_decoder_only: the encoder is as loaded, the decoder moved
+        enc = "encoder.conv_in.weight"
+        assert torch.equal(state[enc], start[f"first_stage_model.{enc}"])
+        dec = "decoder.conv_out.weight"
+        assert not torch.equal(state[dec], start[f"first_stage_model.{dec}"])
