@@ -484,9 +484,14 @@ def memory_plan(
         detail = f"{sharding.buckets / 1e6:.0f} M values (reduce_bucket_size)"
         parts.append(Part("DeepSpeed buckets", sharding.buckets * size, DEVICE, detail))
     parts += _frozen_parts(model, precision, trainable_ids)
-    if activations is None:
-        activations = measure_activations(model, batch, trainer) if batch is not None else 0
-    parts.append(Part(ACTIVATIONS, activations, DEVICE, "measured by one probe step"))
+    how = "measured by one probe step"
+    if activations is None and (batch is None or not model.automatic_optimization):
+        # A module that steps its own optimizers (the VAE's GAN) cannot run a step without a
+        # trainer: its activations are left out of the plan, and the plan says so.
+        activations, how = 0, "not measured (no probe batch, or manual optimization)"
+    elif activations is None:
+        activations = measure_activations(model, batch, trainer)
+    parts.append(Part(ACTIVATIONS, activations, DEVICE, how))
     ema = _ema_part(trainer, model, precision)
     if ema is not None:
         parts.append(ema)
