@@ -22,15 +22,18 @@ Every key rule lives here (no other file spells a layout prefix):
 
 import hashlib
 import io
+import json
+import os
 import pickle
 import re
+import struct
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 CLIP_PREFIX = "cond_stage_model.transformer."
 EMA_PREFIX = "model_ema."
@@ -552,23 +555,70 @@ def mismatch_message(path, missing: list[str], unexpected: list[str]) -> str:
     return "; ".join(parts) + " (is --config the right one for this checkpoint?)"
 
 
+# safetensors' names of torch dtypes (its format: an 8-byte little-endian header length, a JSON
+# header of dtype, shape and byte offsets per tensor, then the tensors' bytes back to back).
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
 def save_safetensors(
     state: Mapping[str, torch.Tensor],
     path: str | Path,
     dtype: torch.dtype | None = None,
     metadata: dict[str, str] | None = None,
+    keep: Collection[str] = (),
 ) -> None:
-    """Write a flat state dict atomically; floating tensors cast to `dtype` when given."""
+    """Write a flat state dict as .safetensors, atomically and one tensor at a time; floating
+    tensors cast to `dtype` when given, except the names in `keep`.
+
+    safetensors' own `save_file` turns every tensor into a bytes copy first - a second full copy
+    of a 4 GB model in memory. Here each tensor is cast, written and dropped before the next, so a
+    file of any size needs one tensor of memory; tensors memory-mapped from a checkpoint
+    (`torch.load(mmap=True)`) are read straight from their file.
+    """
+
+    def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:
+        cast = dtype is not None and tensor.is_floating_point() and name not in keep
+        return dtype if cast else tensor.dtype
+
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in state.items():
+        size = tensor.numel() * torch.empty((), dtype=dtype_of(name, tensor)).element_size()
+        header[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype_of(name, tensor)],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file does
     path = Path(path)
-    out = {}
-    for key, tensor in state.items():
-        tensor = tensor.detach().to("cpu")
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        out[key] = tensor.contiguous()
     tmp = path.with_name(path.name + ".tmp")
-    save_file(out, str(tmp), metadata=metadata)
-    tmp.replace(path)
+    try:
+        with open(tmp, "wb") as file:
+            file.write(struct.pack("<Q", len(encoded)) + encoded)
+            for name, tensor in state.items():
+                tensor = tensor.detach().to("cpu", dtype_of(name, tensor)).contiguous()
+                file.write(tensor.reshape(-1).view(torch.uint8).numpy())  # no bytes copy
+            file.flush()
+            os.fsync(file.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def file_hash(path: str | Path) -> str:

@@ -17,15 +17,15 @@ are folders written by those libraries and do not pass through a CheckpointIO.)
 
 import contextlib
 import glob
-import json
 import os
 import re
 import shutil
-import struct
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
@@ -150,13 +150,11 @@ def atomic_link(target: str | os.PathLike, link: str | os.PathLike) -> None:
     _fsync_folder(folder)
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """`torch.save(obj, path)` that leaves either the old file or the whole new one.
-
-    The object is streamed into the temporary file (no in-memory copy of a many-GB checkpoint).
-    Any failure - an unpicklable object, ENOSPC, an interrupt - removes the temporary file and
-    re-raises; the previous `path` is untouched.
-    """
+@contextmanager
+def _atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file written under a temporary name and renamed over `path` when the block ends:
+    readers see the old file or the whole new one. Any failure - ENOSPC, an interrupt - removes
+    the temporary file and re-raises; the previous `path` is untouched."""
     path = os.path.abspath(os.fspath(path))
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
@@ -167,7 +165,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     )
     try:
         with os.fdopen(fd, "wb") as file:
-            torch.save(obj, file)
+            yield file
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)
@@ -179,67 +177,15 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     _remove_stale_temporaries(path, keep=temporary)
 
 
-# safetensors' names of torch dtypes (its format: an 8-byte little-endian header length, a JSON
-# header of dtype, shape and byte offsets per tensor, then the tensors' bytes back to back).
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+    """`torch.save(obj, path)` that leaves either the old file or the whole new one.
 
-
-def atomic_safetensors_save(
-    state: dict[str, torch.Tensor],
-    path: str | os.PathLike,
-    dtypes: dict[str, torch.dtype] | None = None,
-    metadata: dict[str, str] | None = None,
-) -> None:
-    """Write `state` as a .safetensors file one tensor at a time, atomically.
-
-    safetensors' own `save_file` turns every tensor into a bytes copy first - a second full copy
-    of a 4 GB model in memory. Here each tensor is cast (to `dtypes[name]`, where given), written
-    and dropped before the next, so a file of any size needs one tensor of memory; tensors
-    memory-mapped from a checkpoint (`torch.load(mmap=True)`) are read straight from their file.
+    The object is streamed into the temporary file (no in-memory copy of a many-GB checkpoint).
+    Any failure - an unpicklable object, ENOSPC, an interrupt - removes the temporary file and
+    re-raises; the previous `path` is untouched.
     """
-    dtypes = dtypes or {}
-    header: dict = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, tensor in state.items():
-        dtype = dtypes.get(name, tensor.dtype)
-        size = tensor.numel() * torch.empty((), dtype=dtype).element_size()
-        header[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file does
-    path = os.path.abspath(os.fspath(path))
-    temporary = _temporary_name(path)
-    try:
-        with open(temporary, "wb") as file:
-            file.write(struct.pack("<Q", len(encoded)) + encoded)
-            for name, tensor in state.items():
-                tensor = tensor.detach().to("cpu", dtypes.get(name, tensor.dtype)).contiguous()
-                file.write(tensor.reshape(-1).view(torch.uint8).numpy())  # no bytes copy
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(temporary)
-        raise
-    _fsync_folder(os.path.dirname(path))
+    with _atomic_file(path) as file:
+        torch.save(obj, file)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -26,7 +26,6 @@ import torch
 from ldm import checkpoint
 from ldm.schedule import SCHEDULE_BUFFER_NAMES
 from ldm.util import instantiate_from_config
-from lun.atomic_io import atomic_safetensors_save
 from lun.config import merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
 from lun.strategies import load_training_checkpoint
@@ -67,9 +66,10 @@ def _cast(key: str, tensor: torch.Tensor) -> bool:
 def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: bool) -> None:
     if path.suffix == ".safetensors":
         # One tensor at a time, cast as it is written: no copy of the model in memory.
-        dtypes = {k: dtype for k, v in state.items() if _cast(k, v)} if dtype else None
         with writing(path):
-            atomic_safetensors_save(state, path, dtypes, metadata={"format": "pt"})
+            checkpoint.save_safetensors(
+                state, path, dtype, metadata={"format": "pt"}, keep=FULL_PRECISION
+            )
         return
     state = cast_weights(state, dtype)
     kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}

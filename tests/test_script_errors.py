@@ -17,7 +17,6 @@ import torch
 import txt2img
 from PIL import Image
 from run_helpers import ROOT
-from safetensors import SafetensorError
 
 from ldm import checkpoint
 from ldm.util import instantiate_from_config
@@ -131,14 +130,12 @@ def test_full_disk_writing_a_ckpt(tmp_path, capsys, weights, monkeypatch):
 
 
 def test_full_disk_writing_safetensors(tmp_path, capsys, weights, monkeypatch):
-    def save_file(*args, **kwargs):  # what safetensors raises on a full disk (seen on a tmpfs)
-        raise SafetensorError(f"Error while serializing: I/O error: {NO_SPACE} (os error 28)")
-
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "open", FullDiskFile, raising=False)
     out = tmp_path / "out.safetensors"
     status, lines = exit_of(convert.main, [str(weights), str(out)], capsys)
     assert status == 1
     assert lines == [f"error: {NO_SPACE} ({out})"]
+    assert list(tmp_path.iterdir()) == []  # no partial file left behind
 
 
 def test_full_disk_writing_a_png(tmp_path, capsys, weights, tiny_config, monkeypatch):
