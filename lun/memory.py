@@ -50,11 +50,12 @@ from lun.memory_probe import measure_activations, probe_batch
 GiB = 2**30
 DEVICE, HOST = "device", "host"
 # Parts held only at some moments; everything else is held throughout training.
-ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE, CHECKPOINT_READ = (
+ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE, CHECKPOINT_READ, EMA_STAGING = (
     "activations",
     "gradients",
     "checkpoint save",
     "checkpoint read",
+    "EMA staging",
 )
 # bitsandbytes' 8-bit optimizers: blockwise quantized states with one fp32 absmax per block,
 # and 32-bit states for tensors smaller than `min_8bit_size`.
@@ -109,7 +110,9 @@ class MemoryPlan:
         return {
             "training": self._sum(place, {CHECKPOINT_SAVE, CHECKPOINT_READ}),
             "saving": self._sum(place, {ACTIVATIONS, CHECKPOINT_READ}),
-            "resuming": self._sum(place, {ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE}),
+            # The EMA's staging buffers are first written by its first update, after the restore
+            # (pages of an empty tensor are not resident until written).
+            "resuming": self._sum(place, {ACTIVATIONS, GRADIENTS, CHECKPOINT_SAVE, EMA_STAGING}),
         }
 
     def peak(self, place: str) -> int:
@@ -361,19 +364,20 @@ def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _ema_part(trainer, model, precision: Precision) -> Part | None:
+def _ema_parts(trainer, model, precision: Precision) -> list[Part]:
     from lun.callbacks.ema import find_ema
 
     ema = find_ema(trainer)
     if ema is None:
-        return None
+        return []
     params = [p for p in model.ema_module.parameters() if p.requires_grad]
     count = sum(p.numel() for p in params)
     staging = sum(p.numel() * _size(precision.weight_dtype(p, True)) for p in params)
-    detail = f"fp32 shadows {_gib(count * 4)} + staging {_gib(staging)}, every {ema.update_every}"
-    return Part(
-        "EMA", count * 4 + staging, HOST, detail + (" step" if ema.update_every == 1 else " steps")
-    )
+    every = f"every {ema.update_every} step" + ("" if ema.update_every == 1 else "s")
+    return [
+        Part("EMA", count * 4, HOST, f"fp32 shadows, {every}"),
+        Part(EMA_STAGING, staging, HOST, "a copy of the weights to average from"),
+    ]
 
 
 def _checkpoint_save_part(trainer, weights: int, optimizer: int, ema: int, sharding) -> Part:
@@ -484,6 +488,7 @@ def memory_plan(
         detail = f"{sharding.buckets / 1e6:.0f} M values (reduce_bucket_size)"
         parts.append(Part("DeepSpeed buckets", sharding.buckets * size, DEVICE, detail))
     parts += _frozen_parts(model, precision, trainable_ids)
+    process = _process_part(model)  # before the probe, whose freed blocks the heap keeps
     how = "measured by one probe step"
     if activations is None and (batch is None or not model.automatic_optimization):
         # A module that steps its own optimizers (the VAE's GAN) cannot run a step without a
@@ -492,9 +497,8 @@ def memory_plan(
     elif activations is None:
         activations = measure_activations(model, batch, trainer)
     parts.append(Part(ACTIVATIONS, activations, DEVICE, how))
-    ema = _ema_part(trainer, model, precision)
-    if ema is not None:
-        parts.append(ema)
+    ema = _ema_parts(trainer, model, precision)
+    parts += ema
     largest = max(
         (
             t.numel() * _size(precision.weight_dtype(t, t.requires_grad))
@@ -507,12 +511,12 @@ def memory_plan(
             trainer,
             weights // sharding.weights,
             optimizer_total,
-            ema.nbytes if ema else 0,
+            ema[0].nbytes if ema else 0,  # the shadows; staging is written only when swapped
             sharding,
         )
     )
     parts.append(Part(CHECKPOINT_READ, largest, HOST, "a resume reads one tensor at a time"))
-    parts.append(_process_part(model))
+    parts.append(process)
     if device.type == "cpu":
         for part in parts:
             part.place = HOST
@@ -590,7 +594,11 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
         )
     if "EMA" in parts:
         options.append(
-            {"name": "no EMA", "how": "~lightning.callbacks.ema", "saves": saves(("EMA", 1))}
+            {
+                "name": "no EMA",
+                "how": "~lightning.callbacks.ema",
+                "saves": saves(("EMA", 1), (EMA_STAGING, 1)),
+            }
         )
     if plan.device != "cpu" and not sharding.optimizer_on_host:
         options.append(
@@ -604,7 +612,7 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
         {
             "name": "LoRA",
             "how": "train adapters instead of the weights",
-            "saves": saves((GRADIENTS, 1), ("optimizer state", 1), ("EMA", 1)),
+            "saves": saves((GRADIENTS, 1), ("optimizer state", 1), ("EMA", 1), (EMA_STAGING, 1)),
         }
     )
     return options

@@ -191,7 +191,7 @@ def plan_table() -> None:
             device = sum(parts[k] for k in held) + optimizer
             print(
                 f"| {name} | {label} | {device / GB:.1f} GB | {optimizer / GB:.1f} GB | "
-                f"{parts['EMA'] / GB:.1f} GB |"
+                f"{(parts['EMA'] + parts['EMA staging']) / GB:.1f} GB |"
             )
 
 
