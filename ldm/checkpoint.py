@@ -585,8 +585,8 @@ def save_safetensors(
 
     safetensors' own `save_file` turns every tensor into a bytes copy first - a second full copy
     of a 4 GB model in memory. Here each tensor is cast, written and dropped before the next, so a
-    file of any size needs one tensor of memory; tensors memory-mapped from a checkpoint
-    (`torch.load(mmap=True)`) are read straight from their file.
+    file of any size needs one tensor of memory; tensors of a memory-mapped checkpoint are read
+    straight from their file.
     """
 
     def dtype_of(name: str, tensor: torch.Tensor) -> torch.dtype:

@@ -1,5 +1,6 @@
 """Helpers the end-to-end tests share (imported by name; conftest modules cannot be)."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -19,3 +20,11 @@ def run_main(
         timeout=timeout,
         **kwargs,
     )
+
+
+def load_main():
+    """main.py as a module, to run the launcher in this process and look at what it built."""
+    spec = importlib.util.spec_from_file_location("lun_main", ROOT / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

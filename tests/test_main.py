@@ -1,6 +1,5 @@
 """The launcher end to end: config errors, run folder, resume, crash and signal checkpoints."""
 
-import importlib.util
 import inspect
 import logging
 import os
@@ -9,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, load_main, run_main
 
 from lun.data import DataModule
 
@@ -149,14 +148,6 @@ def test_sigusr1_saves_last_and_training_goes_on(tmp_path, tiny_config, shapes_d
 
 
 # --- --scale_lr: the learning rate the model is built with --------------------------------------
-
-
-def load_main():
-    """main.py as a module, to run the launcher in this process and look at what it built."""
-    spec = importlib.util.spec_from_file_location("lun_main", ROOT / "main.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pytest
 import torch
 import txt2img
 from PIL import Image
-from run_helpers import ROOT
+from run_helpers import load_main
 
 from ldm import checkpoint
 from lun import strategies
@@ -231,13 +231,6 @@ def test_clean_folders_pass_the_checks(tmp_path):
 
 
 # --- the model's and the autoencoder's ckpt_path -----------------------------------------------
-
-
-def load_main():
-    spec = importlib.util.spec_from_file_location("lun_main", ROOT / "main.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
