@@ -426,9 +426,15 @@ def load_weights(
 
     Args:
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
+    `path` may also be a diffusers folder, read in the original layout (`ldm.diffusers_layout`).
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
-    contents = load_file_state(path, unsafe=unsafe)
+    from ldm import diffusers_layout  # it builds on this module
+
+    if diffusers_layout.is_diffusers_folder(path):
+        contents = diffusers_layout.load_folder(model, path, unsafe=unsafe)
+    else:
+        contents = load_file_state(path, unsafe=unsafe)
     bare = bare_backbone_state(contents, model.backbone, ema)
     if bare is not None:
         result = model.backbone.load_state_dict(bare, strict=False)
@@ -622,9 +628,16 @@ def save_safetensors(
 
 
 def file_hash(path: str | Path) -> str:
-    """First 10 hex digits of the file's SHA-256 (the AUTOMATIC1111 'Model hash')."""
+    """First 10 hex digits of the file's SHA-256 (the AUTOMATIC1111 'Model hash'); of a
+    diffusers folder, its UNet's weights files."""
+    from ldm import diffusers_layout
+
+    files = [path]
+    if diffusers_layout.is_diffusers_folder(path):
+        files = diffusers_layout.weights_files(Path(path) / "unet")
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for file in files:
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return digest.hexdigest()[:10]

@@ -18,6 +18,7 @@ from PIL import Image, UnidentifiedImageError
 from PIL.PngImagePlugin import PngInfo
 
 from ldm import checkpoint
+from ldm.diffusers_layout import is_diffusers_folder
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.images import make_grid
@@ -68,7 +69,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--config", help="model config (default: the run folder's saved config)")
     parser.add_argument(
-        "--ckpt", required=True, help=".ckpt or .safetensors (ours or an original SD one)"
+        "--ckpt",
+        required=True,
+        help=".ckpt or .safetensors (ours or an original SD one), or a diffusers folder",
     )
     parser.add_argument("--precision", choices=["full", "autocast"], default="full")
     parser.add_argument(
@@ -169,8 +172,11 @@ def find_config(ckpt: Path) -> list[Path]:
 def load_model(args) -> torch.nn.Module:
     """Build the model from its config and load the checkpoint strictly (EMA as asked)."""
     ckpt = Path(args.ckpt)
-    if not ckpt.is_file():
+    folder = is_diffusers_folder(ckpt)  # converted to the original layout on load
+    if not (ckpt.is_file() or folder):
         raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    if folder and not args.config:
+        raise ValueError(f"{ckpt}: a diffusers folder needs --config (the model's YAML)")
     cfg = merge_configs([args.config] if args.config else find_config(ckpt))
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)

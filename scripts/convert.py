@@ -19,13 +19,16 @@ stays float32).
 """
 
 import argparse
+import copy
+import inspect
 from pathlib import Path
 
 import torch
 
 from ldm import checkpoint
-from ldm.schedule import SCHEDULE_BUFFER_NAMES
-from ldm.util import instantiate_from_config
+from ldm.diffusers_layout import is_diffusers_folder
+from ldm.schedule import SCHEDULE_BUFFER_NAMES, schedule_betas
+from ldm.util import instantiate_from_config, latent_diffusion_params
 from lun.config import merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
 from lun.strategies import load_training_checkpoint
@@ -129,8 +132,8 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
     encoder = model.conditioner
-    if not hasattr(encoder, "transformer"):
-        raise ValueError("--to-diffusers supports the v1 CLIP text encoder (FrozenCLIPEmbedder)")
+    if not hasattr(encoder, "transformer") and not hasattr(encoder, "encode_with_transformer"):
+        raise ValueError("--to-diffusers supports the SD 1.x and 2.x text encoders")
 
     unet_config = sfu.create_unet_diffusers_config_from_ldm(original, state)
     unet = UNet2DConditionModel(**unet_config)
@@ -140,13 +143,17 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     )
     vae = AutoencoderKL(**vae_config)
     vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, vae_config))
-    text_encoder = CLIPTextModel(encoder.transformer.config)
-    clip_state = sfu.convert_ldm_clip_checkpoint(state)
+    if hasattr(encoder, "transformer"):  # SD 1.x: OpenAI CLIP
+        text_encoder = CLIPTextModel(encoder.transformer.config)
+        clip_state = sfu.convert_ldm_clip_checkpoint(state)
+        tokenizer = encoder.tokenizer
+    else:  # SD 2.x: the OpenCLIP tower as transformers' CLIP, as diffusers' SD 2 folders hold it
+        text_encoder, clip_state = open_clip_as_transformers(encoder, state, sfu)
+        tokenizer = copy.deepcopy(encoder.tokenizer)
+        tokenizer.pad_token = "!"  # id 0: open_clip pads with zeros (diffusers' SD 2 tokenizer)
     text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
     scheduler = DDIMScheduler(
-        beta_start=float(model.betas[0]),
-        beta_end=float(model.betas[-1]),
-        beta_schedule="scaled_linear",
+        **diffusers_schedule(params),
         num_train_timesteps=model.num_timesteps,
         clip_sample=False,
         set_alpha_to_one=False,
@@ -157,7 +164,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     pipeline = StableDiffusionPipeline(
         vae=vae,
         text_encoder=text_encoder,
-        tokenizer=encoder.tokenizer,
+        tokenizer=tokenizer,
         unet=unet,
         scheduler=scheduler,
         safety_checker=None,
@@ -167,12 +174,84 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     pipeline.save_pretrained(out_dir, safe_serialization=True)
 
 
+def diffusers_schedule(params: dict) -> dict:
+    """The model's schedule settings in diffusers' words. The config's values, not the float32
+    `betas` buffer's ends, so that a folder read back rebuilds the same buffers bit for bit."""
+    defaults = inspect.signature(schedule_betas).parameters
+    schedule = {k: v.default for k, v in defaults.items()}
+    schedule.update(latent_diffusion_params(params).get("schedule") or {})
+    names = {"linear": "scaled_linear", "scaled_linear": "scaled_linear", "sqrt_linear": "linear"}
+    names.update({"cosine": "squaredcos_cap_v2", "squaredcos_cap_v2": "squaredcos_cap_v2"})
+    if schedule["beta_schedule"] not in names:
+        raise ValueError(
+            f"--to-diffusers: beta_schedule {schedule['beta_schedule']} has no diffusers name"
+        )
+    return {
+        "beta_start": schedule["linear_start"],
+        "beta_end": schedule["linear_end"],
+        "beta_schedule": names[schedule["beta_schedule"]],
+        "rescale_betas_zero_snr": bool(schedule["zero_terminal_snr"]),
+    }
+
+
+def open_clip_as_transformers(encoder, state: dict, sfu):
+    """The OpenCLIP tower (`cond_stage_model.model.*`) as a transformers `CLIPTextModel`, by
+    diffusers' `convert_open_clip_checkpoint`. Like diffusers' SD 2 folders it stops where the
+    conditioning is taken (the penultimate block): its `last_hidden_state` is SD 2's context.
+    The blocks after it, `text_projection` and `logit_scale` have no place in that model."""
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tower = encoder.model
+    blocks = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
+    width = tower.ln_final.normalized_shape[0]
+    config = CLIPTextConfig(
+        vocab_size=tower.token_embedding.num_embeddings,
+        hidden_size=width,
+        intermediate_size=tower.transformer.resblocks[0].mlp.c_fc.out_features,
+        num_hidden_layers=blocks,
+        num_attention_heads=tower.transformer.resblocks[0].attn.heads,
+        max_position_embeddings=tower.positional_embedding.shape[0],
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        projection_dim=tower.text_projection.shape[1],
+        bos_token_id=49406,
+        eos_token_id=49407,
+        pad_token_id=0,
+    )
+    prefix = "cond_stage_model.model."
+    unused = tuple(f"{prefix}transformer.resblocks.{i}." for i in range(blocks, 10_000))
+    kept = {k: v for k, v in state.items() if k.startswith(prefix) and not k.startswith(unused)}
+    text_encoder = CLIPTextModel(config)
+    converted = sfu.convert_open_clip_checkpoint(text_encoder, kept, prefix=prefix)
+    converted.pop("text_projection.weight", None)  # a CLIPTextModel has no projection
+    return text_encoder, converted
+
+
+def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
+    """A diffusers folder in the original layout, checked against the model `config` builds
+    (on the meta device: only its names, shapes and settings are needed)."""
+    from ldm import diffusers_layout
+
+    params = to_container(merge_configs([config]))["model"]
+    params["params"].pop("ckpt_path", None)
+    with torch.device("meta"):
+        model = instantiate_from_config(params)
+    state, info = diffusers_layout.original_state(folder, unsafe)
+    diffusers_layout.check_model(model, folder, info, state)
+    missing = sorted(set(model.state_dict()) - set(state))
+    if missing:
+        raise KeyError(checkpoint.mismatch_message(folder, missing, []))
+    return state
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "ckpt", help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint)"
+        "ckpt",
+        help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint), or a "
+        "diffusers folder (with --config)",
     )
     parser.add_argument("out", nargs="?", help="output .safetensors or .ckpt")
     parser.add_argument(
@@ -195,8 +274,14 @@ def main(argv=None) -> None:
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
-        # Memory-mapped: a tensor is read when it is written out (and optimizer state never).
-        contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
+        if is_diffusers_folder(args.ckpt):  # in: a diffusers folder, out: the original layout
+            if not args.config:
+                raise ValueError(f"{args.ckpt}: a diffusers folder needs --config")
+            state = diffusers_folder_state(Path(args.ckpt), args.config, args.unsafe_load)
+            contents = {"state_dict": state}
+        else:
+            # Memory-mapped: a tensor is read when it is written out (optimizer state never).
+            contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.out:
