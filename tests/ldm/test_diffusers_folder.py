@@ -288,3 +288,53 @@ def test_sdxl_full_size_keys_equal_the_reference():
         )
     }
     assert ours == mapping
+
+
+SD_UNET = {
+    "block_out_channels": [320, 640, 1280, 1280],
+    "layers_per_block": 2,
+    "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
+    "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3,
+}
+SD_VAE = {**SDXL_VAE, "scaling_factor": 0.18215, "sample_size": 512}
+SD_FAMILIES = {  # (reference file, unet config, text config, text prefix)
+    "sd1": (
+        "sd_v1_keys.json",
+        {**SD_UNET, "cross_attention_dim": 768, "attention_head_dim": 8},
+        CLIP_L,
+        "cond_stage_model.transformer.",
+    ),
+    "sd2": (
+        "sd_v2_v_keys.json",
+        {**SD_UNET, "cross_attention_dim": 1024, "attention_head_dim": [5, 10, 20, 20]}
+        | {"use_linear_projection": True},
+        # diffusers' stable-diffusion-2 text encoder: 23 of OpenCLIP ViT-H's 24 blocks
+        {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 23}
+        | {"num_attention_heads": 16, "hidden_act": "gelu", "projection_dim": 512},
+        "cond_stage_model.model.",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2"])
+def test_sd_full_size_keys_equal_the_reference(family):
+    """SD 1.5 and SD 2.1's real diffusers configs on the meta device: the converted weights
+    have exactly the original checkpoints' names and shapes (position_ids is optional)."""
+    reference, unet_config, text_config, prefix = SD_FAMILIES[family]
+    with torch.device("meta"):
+        unet = diffusers.UNet2DConditionModel(**unet_config).state_dict()
+        vae = diffusers.AutoencoderKL(**SD_VAE).state_dict()
+        text = CLIPTextModel(CLIPTextConfig(**text_config)).state_dict()
+    source = Path("folder")
+    state = diffusers_layout.unet_to_original(unet, unet_config, source)
+    state |= diffusers_layout.vae_to_original(vae, SD_VAE, source)
+    if family == "sd1":
+        state |= diffusers_layout.clip_to_original(text, prefix)
+    else:
+        state |= diffusers_layout.open_clip_to_original(text, prefix, source)
+    keys = json.loads((REFERENCE / reference).read_text())["keys"]
+    expected = {k: v for k, v in keys.items() if "." in k and not k.endswith("position_ids")}
+    filled = diffusers_layout.fill_unstored(state, {k: torch.Size(v) for k, v in expected.items()})
+    if family == "sd2":  # block 23, text_projection, logit_scale
+        assert len(filled) == 12 + 2
+    assert {k: list(v.shape) for k, v in state.items()} == expected
