@@ -42,7 +42,11 @@ FAMILY_NAMES = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL"}
 TEXT_FOLDERS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",)}
 TEXT_FOLDERS["sdxl"] = ("text_encoder", "text_encoder_2")
 TOKENIZER_FOLDERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
-WEIGHT_NAMES = ("diffusion_pytorch_model", "model")
+WEIGHT_NAMES = (
+    "diffusion_pytorch_model",
+    "model",
+    "pytorch_model",
+)  # pytorch_model: older transformers
 # diffusers' beta_schedule names -> ours (ldm.schedule.make_betas)
 BETA_SCHEDULES = {"scaled_linear": "linear", "linear": "sqrt_linear", "squaredcos_cap_v2": "cosine"}
 PREDICTION_TYPES = {"epsilon": "eps", "v_prediction": "v"}
@@ -88,6 +92,7 @@ def describe(folder: Path) -> FolderInfo:
     unet = read_json(unet_file)
     text_file = folder / "text_encoder" / "config.json"
     text = read_json(text_file)
+    hidden_act = text.get("hidden_act", "quick_gelu")  # transformers' CLIPTextConfig default
     if unet.get("addition_embed_type") == "text_time":
         family, reason = "sdxl", f"{unet_file}: addition_embed_type text_time"
     elif unet.get("addition_embed_type") or unet.get("class_embed_type"):
@@ -96,13 +101,13 @@ def describe(folder: Path) -> FolderInfo:
             f"{unet.get('addition_embed_type')!r}, class_embed_type "
             f"{unet.get('class_embed_type')!r}); SD 1.x, SD 2.x and SDXL folders are supported"
         )
-    elif text.get("hidden_act") == "quick_gelu":  # OpenAI CLIP
+    elif hidden_act == "quick_gelu":  # OpenAI CLIP
         family, reason = "sd1", f"{text_file}: hidden_act quick_gelu (OpenAI CLIP)"
-    elif text.get("hidden_act") == "gelu":  # OpenCLIP
+    elif hidden_act == "gelu":  # OpenCLIP
         family, reason = "sd2", f"{text_file}: hidden_act gelu (OpenCLIP)"
     else:
         raise DiffusersFolderError(
-            f"{text_file}: unknown model family (hidden_act {text.get('hidden_act')!r}); "
+            f"{text_file}: unknown model family (hidden_act {hidden_act!r}); "
             "SD 1.x, SD 2.x and SDXL folders are supported"
         )
     vae = read_json(folder / "vae" / "config.json")
@@ -157,11 +162,21 @@ def weights_files(component: Path) -> list[Path]:
                 return [component / shard for shard in shards]
             if (component / f"{name}{suffix}").is_file():
                 return [component / f"{name}{suffix}"]
+        # A variant (`diffusion_pytorch_model.fp16.safetensors`), sharded or not.
+        for index in sorted(component.glob(f"*{suffix}.index.*json")):
+            return [
+                component / shard for shard in sorted(set(read_json(index)["weight_map"].values()))
+            ]
         variants = sorted(
             p for p in component.glob(f"*{suffix}") if p.name.startswith(WEIGHT_NAMES)
         )
+        if len(variants) == 1:
+            return variants
         if variants:
-            return variants[:1]
+            raise DiffusersFolderError(
+                f"{component}: several weights files ({', '.join(p.name for p in variants)}); "
+                "keep one variant"
+            )
     raise DiffusersFolderError(
         f"{component}: no weights file (diffusion_pytorch_model.safetensors or model.safetensors)"
     )

@@ -63,6 +63,7 @@ def exported(request, tmp_path_factory, tiny_config):
     return request.param, config, state, folder, instantiate_from_config(config["model"])
 
 
+@pytest.mark.slow
 def test_round_trip_through_our_export_is_bit_exact(exported):
     """original -> diffusers folder (diffusers' converters) -> original: every key diffusers
     stores comes back with the same bits, the schedule buffers too; the model loads strictly."""
