@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ldm import checkpoint
+from ldm import checkpoint, diffusers_layout
 from ldm.diffusers_layout import is_diffusers_folder
 from ldm.schedule import SCHEDULE_BUFFER_NAMES, schedule_betas
 from ldm.util import instantiate_from_config, latent_diffusion_params
@@ -218,7 +218,7 @@ def open_clip_as_transformers(encoder, state: dict, sfu):
         eos_token_id=49407,
         pad_token_id=0,
     )
-    prefix = "cond_stage_model.model."
+    (prefix,) = diffusers_layout.TEXT_PREFIXES["sd2"]  # cond_stage_model.model.
     unused = tuple(f"{prefix}transformer.resblocks.{i}." for i in range(blocks, 10_000))
     kept = {k: v for k, v in state.items() if k.startswith(prefix) and not k.startswith(unused)}
     text_encoder = CLIPTextModel(config)
@@ -230,8 +230,6 @@ def open_clip_as_transformers(encoder, state: dict, sfu):
 def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     """A diffusers folder in the original layout, checked against the model `config` builds
     (on the meta device: only its names, shapes and settings are needed)."""
-    from ldm import diffusers_layout
-
     params = to_container(merge_configs([config]))["model"]
     params["params"].pop("ckpt_path", None)
     with torch.device("meta"):
