@@ -129,16 +129,15 @@ class GeneralConditioner(nn.Module):
         return combine(outputs)
 
     def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]:
-        """The guidance's unconditional side: the caption dropped for every sample (zeros), or
-        the embeddings of `negative` prompts; the size / crop inputs as in `batch`."""
+        """The guidance's unconditional side: the embeddings of the `negative` prompts, zeros
+        where there is none (None or "": diffusers' `force_zeros_for_empty_prompt`, as SDXL is
+        sampled by sgm and diffusers); the size / crop inputs as in `batch`."""
         n = batch_size(batch)
-        if negative is not None:
-            batch = {**batch, CAPTION_KEY: list(negative)}
-            dropped = None
-        elif self.force_zeros_for_empty_prompt:
-            dropped = torch.ones(n, dtype=torch.bool)
-        else:
-            batch, dropped = {**batch, CAPTION_KEY: [""] * n}, None
+        negative = [""] * n if negative is None else [text or "" for text in negative]
+        batch = {**batch, CAPTION_KEY: negative}
+        dropped = None
+        if self.force_zeros_for_empty_prompt:
+            dropped = torch.tensor([text == "" for text in negative])
         outputs = [
             self._embed(e, batch, n, dropped if e.input_key == CAPTION_KEY else None)
             for e in self.embedders

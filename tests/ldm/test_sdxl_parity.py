@@ -17,6 +17,7 @@ def model():
     return tiny_sdxl(seed=3)
 
 
+@pytest.mark.slow  # builds two UNets and runs diffusers'
 def test_sdxl_unet_matches_diffusers_text_time_unet(model):
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import (
