@@ -36,6 +36,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 CLIP_PREFIX = "cond_stage_model.transformer."
+# SDXL (sgm): its CLIP ViT-L is embedder 0, and sgm-trained files may add the constant
+# `denoiser.sigmas` (sqrt((1 - alphas_cumprod) / alphas_cumprod), not a weight).
+SGM_CLIP_PREFIX = "conditioner.embedders.0.transformer."
+SGM_CONSTANTS = ("denoiser.sigmas",)
 EMA_PREFIX = "model_ema."
 EMA_SCALARS = ("model_ema.decay", "model_ema.num_updates")
 BACKBONE_PREFIX = "model."  # LatentDiffusion.model (the wrapper holding `diffusion_model`)
@@ -299,14 +303,17 @@ def conditioner_name(conditioner: torch.nn.Module) -> str:
 
 
 def from_original_layout(state: dict, prefix: str = "") -> None:
-    """In place: accept both text-encoder forms, drop `position_ids` (a constant, not a weight)."""
-    head = prefix + CLIP_PREFIX
-    for key in [k for k in state if k.startswith(head)]:
-        rest = key[len(head) :]
-        if rest.endswith("embeddings.position_ids"):
-            del state[key]
-        elif not rest.startswith("text_model."):
-            state[head + "text_model." + rest] = state.pop(key)
+    """In place: accept both text-encoder forms, drop `position_ids` and sgm's
+    `denoiser.sigmas` (constants, not weights)."""
+    for name in SGM_CONSTANTS:
+        state.pop(prefix + name, None)
+    for head in (prefix + CLIP_PREFIX, prefix + SGM_CLIP_PREFIX):
+        for key in [k for k in state if k.startswith(head)]:
+            rest = key[len(head) :]
+            if rest.endswith("embeddings.position_ids"):
+                del state[key]
+            elif not rest.startswith("text_model."):
+                state[head + "text_model." + rest] = state.pop(key)
 
 
 def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:

@@ -76,6 +76,8 @@ class LatentDiffusion(pl.LightningModule):
             (faster convolutions on tensor-core GPUs).
         compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
             unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
+        schedule_in_checkpoint: keep the DDPM schedule buffers (`betas`, `alphas_cumprod`, ...)
+            in the state dict, as CompVis files do; sgm files (SDXL) have none (false).
         lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
             `{rank, alpha, dropout, targets: [attn, proj, ff, conv], conv_rank, conv_alpha, dora,
             init, text_encoder: {rank, alpha, dropout, lr}, base_dtype}` (`ldm.lora.LoraSettings`).
@@ -100,6 +102,7 @@ class LatentDiffusion(pl.LightningModule):
         channels_last: bool = False,
         compile_backbone: bool | Mapping | None = None,
         lora: Mapping | None = None,
+        schedule_in_checkpoint: bool = True,
     ):
         super().__init__()
         self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
@@ -126,7 +129,7 @@ class LatentDiffusion(pl.LightningModule):
         betas = schedule_betas(**(schedule or {}))
         self.num_timesteps = len(betas)
         for name, value in schedule_buffers(betas).items():
-            self.register_buffer(name, value)
+            self.register_buffer(name, value, persistent=schedule_in_checkpoint)
 
         if self.lora_settings is not None:
             lora_module.add_adapters(
@@ -413,11 +416,12 @@ class LatentDiffusion(pl.LightningModule):
         inputs: what the conditioner reads - prompts (list of str), class ids, or a batch dict;
         negative: the unconditional side's inputs instead of the null ones (negative prompts).
         """
-        batch = self.conditioner.batch_of(inputs)
-        cond = self.conditioning(batch)
-        uncond = self.unconditional(batch, negative) if scale != 1.0 else None
         height = height or self.default_image_size
         width = width or self.default_image_size
+        # The size of the images made, for size-conditioned models (SDXL); others ignore it.
+        batch = {"image_size": (height, width), **self.conditioner.batch_of(inputs)}
+        cond = self.conditioning(batch)
+        uncond = self.unconditional(batch, negative) if scale != 1.0 else None
         shape = (next(iter(cond.values())).shape[0], *self.latent_shape(height, width))
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)

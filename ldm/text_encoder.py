@@ -122,7 +122,14 @@ def clip_tokenizer(path: str | None = None) -> CLIPTokenizer:
         if not os.path.isdir(path):
             raise FileNotFoundError(f"CLIP tokenizer folder '{path}' does not exist")
         return CLIPTokenizer.from_pretrained(path, local_files_only=True)
-    vocab, merges = clip_vocab_and_merges(bpe_vocab_path())
+    return _bpe_tokenizer(bpe_vocab_path())
+
+
+@lru_cache(maxsize=2)
+def _bpe_tokenizer(bpe_path: str) -> CLIPTokenizer:
+    """Built once per process and shared (read only: every call passes its own padding and
+    truncation); SDXL's two encoders and each test model would otherwise spend ~1 s each."""
+    vocab, merges = clip_vocab_and_merges(bpe_path)
     with tempfile.TemporaryDirectory(prefix="lun_clip_tokenizer_") as folder:
         with open(os.path.join(folder, "vocab.json"), "w", encoding="utf-8") as f:
             json.dump(vocab, f, ensure_ascii=False)

@@ -1,4 +1,4 @@
-"""The Stable Diffusion UNet with the original CompVis `openaimodel.UNetModel` parameter names.
+"""The Stable Diffusion UNet with the original CompVis / sgm `openaimodel.UNetModel` parameter names.
 
 Architecture of Rombach et al. 2022 ("High-Resolution Image Synthesis with Latent Diffusion
 Models", app. E), built on the ADM UNet of Dhariwal & Nichol 2021: ResBlocks with a timestep
@@ -6,6 +6,9 @@ embedding, SpatialTransformers (cross-attention to the text context) at the reso
 in `attention_resolutions`, skip connections from each input block to its mirrored output block.
 A model built from the original `unet_config` has exactly the original state-dict keys
 (`time_embed.0`, `input_blocks.1.0.in_layers.0`, `middle_block.1.proj_in`, `out.2`, ...).
+SDXL (Podell et al. 2023, arXiv:2307.01952, sec. 2.1) is the same network with a transformer
+depth per level ([1, 2, 10]: none at the highest resolution) and a `vector` input (pooled text +
+size/crop embeddings, 2816 channels) added to the timestep embedding through `label_emb`.
 """
 
 import math
@@ -141,8 +144,11 @@ class UNetModel(nn.Module):
         num_heads: attention heads per transformer (SD 1: 8); used when num_head_channels = -1.
         num_head_channels: channels per head (SD 2: 64); heads = width // num_head_channels.
         use_spatial_transformer: must be True (the text-conditioned UNet); accepted for configs.
-        use_linear_in_transformer: proj_in / proj_out are Linear (SD 2) instead of 1x1 convs.
-        transformer_depth: BasicTransformerBlocks per SpatialTransformer.
+        use_linear_in_transformer: proj_in / proj_out are Linear (SD 2, XL) instead of 1x1 convs.
+        transformer_depth: BasicTransformerBlocks per SpatialTransformer: one number, or one per
+            level (SDXL: [1, 2, 10]; the same depth on the way up).
+        transformer_depth_middle: depth of the middle block's transformer (default: the last
+            level's).
         context_dim: width of the cross-attention context (768 for CLIP ViT-L, 1024 for OpenCLIP H).
         use_checkpoint: gradient checkpointing of every UNet block while training (trades one
             extra forward pass for activation memory).
@@ -153,7 +159,11 @@ class UNetModel(nn.Module):
         dropout: dropout in ResBlocks and attention.
         attention_backend: "sdpa" (torch scaled_dot_product_attention) or "xformers".
         upcast_attention: compute attention in float32 under mixed precision (SD 2.x 768 v-model).
-        num_classes: optional class conditioning (label_emb), passed as `y` to forward.
+        num_classes: optional class conditioning (label_emb), passed as `y` to forward; or
+            "sequential" (sgm, SDXL): `label_emb` is an MLP of the `vector` field, whose width is
+            `adm_in_channels`.
+        adm_in_channels: width of the `vector` conditioning (SDXL: 1280 pooled text + 3 x 512
+            size / crop features = 2816); only with num_classes "sequential".
     """
 
     def __init__(
@@ -169,7 +179,8 @@ class UNetModel(nn.Module):
         num_head_channels: int = -1,
         use_spatial_transformer: bool = True,
         use_linear_in_transformer: bool = False,
-        transformer_depth: int = 1,
+        transformer_depth: int | Sequence[int] = 1,
+        transformer_depth_middle: int | None = None,
         context_dim: int | None = None,
         use_checkpoint: bool = False,
         use_fp16: bool = False,
@@ -177,7 +188,8 @@ class UNetModel(nn.Module):
         dropout: float = 0.0,
         attention_backend: str = "sdpa",
         upcast_attention: bool = False,
-        num_classes: int | None = None,
+        num_classes: int | str | None = None,
+        adm_in_channels: int | None = None,
         image_size: int | None = None,
     ):
         super().__init__()
@@ -190,8 +202,22 @@ class UNetModel(nn.Module):
         if model_channels % 32:  # every width is a multiple of it, and group_norm has 32 groups
             raise ValueError(f"model_channels={model_channels}: expected a multiple of 32")
         check_attention_backend(attention_backend)
+        if isinstance(transformer_depth, int):
+            transformer_depth = [transformer_depth] * len(channel_mult)
+        if len(transformer_depth) != len(channel_mult):
+            raise ValueError(
+                f"transformer_depth {list(transformer_depth)}: expected one depth per level "
+                f"of channel_mult {list(channel_mult)}"
+            )
+        if transformer_depth_middle is None:
+            transformer_depth_middle = transformer_depth[-1]
+        if (num_classes == "sequential") != (adm_in_channels is not None):
+            raise ValueError('adm_in_channels goes with num_classes: "sequential" (and back)')
+        if isinstance(num_classes, str) and num_classes != "sequential":
+            raise ValueError(f'num_classes: {num_classes!r} is neither a number nor "sequential"')
         self.model_channels = model_channels
-        self.num_classes = num_classes
+        # The conditioning field label_emb reads: "vector" (SDXL) or "y" (class ids).
+        self.label_field = "vector" if adm_in_channels else "y" if num_classes else None
         # Geometry LatentDiffusion asks for: channels in, the native latent size (for default
         # sample sizes), and the factor sides must divide by (one halving per level).
         self.in_channels, self.image_size = in_channels, image_size
@@ -199,7 +225,7 @@ class UNetModel(nn.Module):
         self.use_checkpoint = use_checkpoint
         time_embed_dim = model_channels * 4
 
-        def transformer(width: int) -> SpatialTransformer:
+        def transformer(width: int, depth: int) -> SpatialTransformer:
             if num_head_channels == -1:
                 heads, dim_head = num_heads, width // num_heads
             else:
@@ -214,7 +240,7 @@ class UNetModel(nn.Module):
                 width,
                 heads,
                 dim_head,
-                depth=transformer_depth,
+                depth=depth,
                 context_dim=context_dim,
                 dropout=dropout,
                 use_linear=use_linear_in_transformer,
@@ -227,7 +253,15 @@ class UNetModel(nn.Module):
             nn.SiLU(),
             nn.Linear(time_embed_dim, time_embed_dim),
         )
-        if num_classes is not None:
+        if adm_in_channels is not None:  # sgm's name: label_emb.0.{0,2}
+            self.label_emb = nn.Sequential(
+                nn.Sequential(
+                    nn.Linear(adm_in_channels, time_embed_dim),
+                    nn.SiLU(),
+                    nn.Linear(time_embed_dim, time_embed_dim),
+                )
+            )
+        elif num_classes is not None:
             self.label_emb = nn.Embedding(num_classes, time_embed_dim)
 
         self.input_blocks = nn.ModuleList(
@@ -240,7 +274,7 @@ class UNetModel(nn.Module):
                 layers = [ResBlock(width, time_embed_dim, dropout, model_channels * mult)]
                 width = model_channels * mult
                 if factor in attention_resolutions:
-                    layers.append(transformer(width))
+                    layers.append(transformer(width, transformer_depth[level]))
                 self.input_blocks.append(TimestepEmbedSequential(*layers))
                 skip_channels.append(width)
             if level != len(channel_mult) - 1:
@@ -250,7 +284,7 @@ class UNetModel(nn.Module):
 
         self.middle_block = TimestepEmbedSequential(
             ResBlock(width, time_embed_dim, dropout, width),
-            transformer(width),
+            transformer(width, transformer_depth_middle),
             ResBlock(width, time_embed_dim, dropout, width),
         )
 
@@ -261,7 +295,7 @@ class UNetModel(nn.Module):
                 layers = [ResBlock(width + skip, time_embed_dim, dropout, model_channels * mult)]
                 width = model_channels * mult
                 if factor in attention_resolutions:
-                    layers.append(transformer(width))
+                    layers.append(transformer(width, transformer_depth[level]))
                 if level and i == num_res_blocks:
                     layers.append(Upsample(width))
                     factor //= 2
@@ -289,17 +323,22 @@ class UNetModel(nn.Module):
         cond: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given the conditioning fields
-        `crossattn` (B, M, D) (cross-attention context) and `y` (B,) (class ids, with num_classes)."""
+        `crossattn` (B, M, D) (cross-attention context), and `y` (B,) (class ids, with
+        num_classes) or `vector` (B, adm_in_channels) (SDXL)."""
         cond = cond or {}
-        context, y = cond.get("crossattn"), cond.get("y")
-        if (y is not None) != (self.num_classes is not None):
+        context = cond.get("crossattn")
+        label = cond.get(self.label_field) if self.label_field else None
+        if self.label_field and label is None:
+            raise ValueError(f"this UNet takes the conditioning field {self.label_field!r}")
+        if not self.label_field and cond.get("y") is not None:
             raise ValueError("pass class labels y exactly when the model has num_classes")
         # float32 sinusoids, cast to the weights' dtype so a model converted with .half() works.
         t_emb = timestep_embedding(timesteps, self.model_channels)  # (B, model_channels)
         t_emb = t_emb.to(self.time_embed[0].weight.dtype)
         emb = self.time_embed(t_emb)  # (B, 4 * model_channels)
-        if y is not None:
-            emb = emb + self.label_emb(y)
+        if label is not None:  # (B,) ids or (B, adm_in_channels) in the weights' dtype
+            label = label if self.label_field == "y" else label.to(emb.dtype)
+            emb = emb + self.label_emb(label)
         skips = []
         h = x
         for block in self.input_blocks:

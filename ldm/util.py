@@ -22,6 +22,17 @@ ORIGINAL_TARGETS = {
     "ldm.modules.encoders.modules.FrozenCLIPEmbedder": "ldm.text_encoder.FrozenCLIPEmbedder",
     "ldm.modules.encoders.modules.FrozenOpenCLIPEmbedder": "ldm.text_encoder.FrozenOpenCLIPEmbedder",
     "ldm.lr_scheduler.LambdaLinearScheduler": "ldm.optim.LambdaLinearScheduler",
+    # Stability-AI generative-models (sgm): SDXL.
+    "sgm.models.diffusion.DiffusionEngine": "ldm.diffusion.LatentDiffusion",
+    "sgm.modules.diffusionmodules.openaimodel.UNetModel": "ldm.unet.UNetModel",
+    "sgm.modules.GeneralConditioner": "ldm.conditioning_xl.GeneralConditioner",
+    "sgm.modules.encoders.modules.GeneralConditioner": "ldm.conditioning_xl.GeneralConditioner",
+    "sgm.modules.encoders.modules.FrozenCLIPEmbedder": "ldm.text_encoder.FrozenCLIPEmbedder",
+    "sgm.modules.encoders.modules.FrozenOpenCLIPEmbedder2": "ldm.text_encoder_xl.FrozenOpenCLIPEmbedder2",
+    "sgm.modules.encoders.modules.ConcatTimestepEmbedderND": "ldm.conditioning_xl.ConcatTimestepEmbedderND",
+    "sgm.models.autoencoder.AutoencoderKL": "ldm.autoencoder_training.autoencoder_kl",
+    "sgm.models.autoencoder.AutoencoderKLInferenceWrapper": "ldm.autoencoder_training.autoencoder_kl",
+    "sgm.lr_scheduler.LambdaLinearScheduler": "ldm.optim.LambdaLinearScheduler",
     # The CompVis launcher's data module (its legacy-only params are translated by lun.config).
     "main.DataModuleFromConfig": "lun.data.DataModule",
 }
@@ -133,9 +144,121 @@ def _with_params(config: Mapping, **values) -> dict:
     return {**config, "params": {**(config.get("params") or {}), **values}}
 
 
-# What the original configs' parameters become, by (translated) target.
+# --- sgm (generative-models, SDXL) configs' parameters -----------------------------------
+# DiffusionEngine params that configure sgm's own training loop and sampler, which the launcher
+# and scripts/txt2img.py replace here: accepted with one warning line each.
+DIFFUSION_ENGINE_UNUSED = (
+    "sampler_config",
+    "loss_fn_config",
+    "network_wrapper",
+    "input_key",
+    "log_keys",
+    "no_cond_log",
+    "en_and_decode_n_samples_a_time",
+    "ema_decay_rate",
+)
+DIFFUSION_ENGINE_RENAMES = {
+    "network_config": "backbone_config",
+    "compile_model": "compile_backbone",
+    "disable_first_stage_autocast": "first_stage_fp32",
+}
+SGM = "sgm.modules.diffusionmodules."
+SCALINGS = {f"{SGM}denoiser_scaling.EpsScaling": "eps", f"{SGM}denoiser_scaling.VScaling": "v"}
+LEGACY_DDPM = f"{SGM}discretizer.LegacyDDPMDiscretization"
+
+
+def diffusion_engine_params(params: Mapping) -> dict:
+    """sgm's `DiffusionEngine` params (SDXL) -> `ldm.diffusion.LatentDiffusion`'s: the
+    `DiscreteDenoiser` becomes the parameterization and the DDPM schedule, which sgm files do not
+    store (`schedule_in_checkpoint: false`)."""
+    params = dict(params)
+    for key in DIFFUSION_ENGINE_UNUSED:
+        if key in params:
+            params.pop(key)
+            logger.warning(
+                "model.params.%s has no effect here (sgm's training loop / sampler; the launcher "
+                "and scripts/txt2img.py set these)",
+                key,
+            )
+    params.pop("use_ema", None)  # read by the launcher
+    for old, new in DIFFUSION_ENGINE_RENAMES.items():
+        if old in params:
+            params[new] = params.pop(old)
+    # `image_size` (the latent side to sample at) as in CompVis configs; sgm configs have none,
+    # and SDXL (a 2816-wide vector) was trained at 1024 px: 128 latent pixels.
+    backbone = params.get("backbone_config")
+    if isinstance(backbone, Mapping):
+        backbone_params = backbone.get("params") or {}
+        sdxl = backbone_params.get("adm_in_channels") == 2816
+        image_size = params.pop("image_size", 128 if sdxl else None)
+        if image_size is not None and "image_size" not in backbone_params:
+            params["backbone_config"] = _with_params(backbone, image_size=image_size)
+    denoiser = params.pop("denoiser_config", None)
+    if denoiser is not None:
+        params.update(discrete_denoiser(denoiser))
+    params["schedule_in_checkpoint"] = False
+    first_stage = params.get("first_stage_config")
+    if isinstance(first_stage, Mapping):
+        params["first_stage_config"] = _frozen_first_stage(first_stage)
+    return params
+
+
+def discrete_denoiser(config: Mapping) -> dict:
+    """sgm's `DiscreteDenoiser` (eps or v scaling over the LegacyDDPM discretization) ->
+    `{parameterization, schedule}`; any other denoiser is refused by name."""
+    key = "model.params.denoiser_config"
+    if config.get("target") != f"{SGM}denoiser.DiscreteDenoiser":
+        raise ParamError(f"{key}.target: only {SGM}denoiser.DiscreteDenoiser is supported")
+    params = dict(config.get("params") or {})
+    scaling = (params.pop("scaling_config", None) or {}).get("target")
+    if scaling not in SCALINGS:
+        raise ParamError(f"{key}.params.scaling_config.target: '{scaling}' not in {list(SCALINGS)}")
+    discretization = params.pop("discretization_config", None) or {}
+    if discretization.get("target") != LEGACY_DDPM:
+        raise ParamError(f"{key}.params.discretization_config.target: expected {LEGACY_DDPM}")
+    ddpm = dict(discretization.get("params") or {})
+    schedule = {
+        "timesteps": params.pop("num_idx", 1000),
+        "beta_schedule": "linear",  # sqrt-linspace squared, as LegacyDDPMDiscretization
+        "linear_start": ddpm.pop("linear_start", 0.00085),
+        "linear_end": ddpm.pop("linear_end", 0.012),
+    }
+    if ddpm.pop("num_timesteps", schedule["timesteps"]) != schedule["timesteps"]:
+        raise ParamError(f"{key}: num_idx and the discretization's num_timesteps differ")
+    for name in [*params, *ddpm]:
+        logger.warning("%s: '%s' has no effect here", key, name)
+    return {"parameterization": SCALINGS[scaling], "schedule": schedule}
+
+
+def sgm_unet_params(params: Mapping) -> dict:
+    """sgm's UNet params: `spatial_transformer_attn_type` names xformers or plain softmax
+    attention, both the same maths as `attention_backend` (sdpa by default) runs."""
+    params = dict(params)
+    kind = params.pop("spatial_transformer_attn_type", "softmax")
+    if kind not in ("softmax", "softmax-xformers"):
+        raise ParamError(f"spatial_transformer_attn_type: '{kind}' is not softmax[-xformers]")
+    if kind == "softmax-xformers" and "attention_backend" not in params:
+        logger.warning(
+            "network_config.params.spatial_transformer_attn_type: softmax-xformers runs on "
+            "attention_backend sdpa (same result); set attention_backend: xformers to use it"
+        )
+    return params
+
+
+def sgm_clip_params(params: Mapping) -> dict:
+    """sgm's FrozenCLIPEmbedder takes `always_return_pooled`, which SDXL leaves false."""
+    params = dict(params)
+    if params.pop("always_return_pooled", False):
+        raise ParamError("FrozenCLIPEmbedder: always_return_pooled: true is not supported")
+    return params
+
+
+# What the original configs' parameters become, by original (or translated) target.
 PARAM_TRANSLATIONS: dict[str, Callable[[Mapping], dict]] = {
     "ldm.diffusion.LatentDiffusion": latent_diffusion_params,
+    "sgm.models.diffusion.DiffusionEngine": diffusion_engine_params,
+    "sgm.modules.diffusionmodules.openaimodel.UNetModel": sgm_unet_params,
+    "sgm.modules.encoders.modules.FrozenCLIPEmbedder": sgm_clip_params,
 }
 
 
@@ -192,8 +315,9 @@ def instantiate_from_config(config: Mapping, **extra_params):
     target = ORIGINAL_TARGETS.get(config["target"], config["target"])
     params = dict(config.get("params") or {})
     params.update(extra_params)
-    if target in PARAM_TRANSLATIONS:
-        params = PARAM_TRANSLATIONS[target](params)
+    translate = PARAM_TRANSLATIONS.get(config["target"]) or PARAM_TRANSLATIONS.get(target)
+    if translate is not None:
+        params = translate(params)
     obj = get_obj_from_str(target)
     _check_params(target, obj, params)
     return obj(**params)

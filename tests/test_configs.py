@@ -8,6 +8,7 @@ The list is a glob, so a new config is covered the day it is added. Each one run
   and `lightning` sections of configs/tiny/ldm.yaml;
 - a config with only a `lightning` section (a strategy preset) is merged after configs/tiny/ldm.yaml
   and runs in one CPU process (tests/lun/test_strategies.py runs them with 2);
+- SDXL configs (sgm's GeneralConditioner) get tests/sdxl_helpers.py's tiny SDXL;
 - DiT configs get a DiT of width 32 and depth 1, class-folder data the shapes as 18 classes, and a
   VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE.
 """
@@ -20,6 +21,7 @@ import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 from run_helpers import ROOT, run_main
+from sdxl_helpers import tiny_sdxl_overrides
 
 from ldm.checkpoint import load_weights, save_safetensors
 from ldm.util import instantiate_from_config
@@ -65,11 +67,13 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
     or [] for a model that is already small. A part this function does not know is a failure
     that says where to teach it."""
     params = model.params
-    unet_key, unet = part(params, "unet_config", "backbone_config")
+    unet_key, unet = part(params, "unet_config", "backbone_config", "network_config")
     if unet.target.startswith("ldm.dit"):
         return tiny_dit_overrides(model)
     if unet.params.model_channels <= TINY_WIDTH:
         return []
+    if params.conditioner_config.target.endswith("GeneralConditioner"):  # SDXL
+        return [*tiny_sdxl_overrides(model), "model.params.image_size=16"]
     vae_key, vae = part(params, "first_stage_config")
     text_key, text = part(params, "cond_stage_config", "conditioner_config")
     heads = (
@@ -191,6 +195,8 @@ def launcher_args(
     overrides = tiny_model_overrides(merged.model)
     if overrides and not any(o.startswith("data.params.train.params.size=") for o in overrides):
         overrides.append("data.params.train.params.size=32")
+        if train.params.get("buckets"):  # buckets of ~32 x 32 pixels
+            overrides.append("data.params.train.params.buckets.step=8")
     overrides += [
         f"data.params.train.params.data_root={data_roots[train.target]}",
         "data.params.batch_size=2",
@@ -240,8 +246,9 @@ def test_every_config_trains_two_steps_through_the_launcher(
         merge_configs([config]), "model.params.conditioner_config.target", default=""
     )
     class_labels = conditioner.endswith("ClassLabels")
-    # a text encoder is in the checkpoint; class labels have no weights
-    assert backbone and (class_labels or any(k.startswith("cond_stage_model.") for k in state))
+    # a text encoder is in the checkpoint (SDXL: sgm's conditioner); class labels have no weights
+    text = ("cond_stage_model.", "conditioner.embedders.")
+    assert backbone and (class_labels or any(k.startswith(text) for k in state))
     if start is not None:  # the run started from the tiny checkpoint and trained its UNet
         vae = [k for k in start if k.startswith("first_stage_model.")]
         assert vae and all(torch.equal(state[k], start[k]) for k in vae)  # frozen: as loaded

@@ -140,6 +140,21 @@ def resize_crop(
 
     The crop box is passed to the resize, so only the pixels that survive are resampled.
     """
+    return resize_crop_geometry(image, size, interpolation, crop, flip_p, rng)[0]
+
+
+def resize_crop_geometry(
+    image: Image.Image,
+    size: tuple[int, int],
+    interpolation: str = "bicubic",
+    crop: str = "center",
+    flip_p: float = 0.0,
+    rng: random.Random | None = None,
+) -> tuple[Image.Image, dict]:
+    """`resize_crop`, and where the result came from - SDXL's micro-conditioning (Podell et al.
+    2023, sec. 2.2): `original_size_as_tuple` (height, width) of the image before resizing,
+    `crop_coords_top_left` (top, left) of the crop in the resized image (of the mirrored image
+    when flipped, so that it still says where the crop sits), `target_size_as_tuple` (H, W)."""
     rng = rng or random
     width, height = image.size
     target_w, target_h = size
@@ -155,9 +170,16 @@ def resize_crop(
         box=(left, top, left + box_w, top + box_h),
         reducing_gap=REDUCING_GAP,
     )
+    crop_left = round(left * scale)
     if flip_p > 0 and rng.random() < flip_p:
         image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    return image
+        crop_left = round(width * scale) - crop_left - target_w
+    geometry = {
+        "original_size_as_tuple": torch.tensor([height, width]),
+        "crop_coords_top_left": torch.tensor([round(top * scale), crop_left]),
+        "target_size_as_tuple": torch.tensor([target_h, target_w]),
+    }
+    return image, geometry
 
 
 def to_tensor(image: Image.Image) -> torch.Tensor:
@@ -185,6 +207,22 @@ def load_image_tensor(
     """decode -> resize to cover `size` (width, height) -> crop -> flip -> (3, H, W) in [-1, 1]."""
     image = decode_image(source, cover=size, max_pixels=max_pixels)
     return to_tensor(resize_crop(image, size, interpolation, crop, flip_p, rng))
+
+
+def load_image_sample(
+    source: str | IO[bytes],
+    size: tuple[int, int],
+    interpolation: str = "bicubic",
+    crop: str = "center",
+    flip_p: float = 0.0,
+    rng: random.Random | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
+) -> dict:
+    """`load_image_tensor` as a sample: `{"image": (3, H, W)}` and its size / crop geometry
+    (`resize_crop_geometry`), which size-conditioned models (SDXL) read."""
+    image = decode_image(source, cover=size, max_pixels=max_pixels)
+    image, geometry = resize_crop_geometry(image, size, interpolation, crop, flip_p, rng)
+    return {"image": to_tensor(image), **geometry}
 
 
 def check_choice(name: str, value: str, choices) -> str:

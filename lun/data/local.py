@@ -34,7 +34,7 @@ from lun.data.images import (
     ImageError,
     check_choice,
     decode_image,
-    load_image_tensor,
+    load_image_sample,
 )
 from lun.data.index import (
     StringArray,
@@ -103,7 +103,9 @@ def _accept_mode(mode) -> None:
 
 class Local(torch.utils.data.Dataset):
     """Images and captions from a local folder; items are {"image": (3, H, W) float32 in [-1, 1],
-    "caption": str}.
+    "caption": str} and the image's geometry for SDXL's size conditioning: `original_size_as_tuple`
+    (height, width) before resizing, `crop_coords_top_left` (top, left) in the resized image,
+    `target_size_as_tuple` (H, W) (int64 tensors of 2).
 
     data_root: the dataset folder (see the module docstring for its layout).
     size: output side in pixels; images are resized to cover size x size and cropped.
@@ -306,10 +308,10 @@ class Local(torch.utils.data.Dataset):
 
     def _load(self, index: int, size: tuple[int, int]) -> dict:
         path = os.path.join(self.data_root, self._images[index])
-        image = load_image_tensor(
+        sample = load_image_sample(
             path, size, self.interpolation, self.crop, self.flip_p, max_pixels=self.max_image_pixels
-        )  # (3, H, W)
-        return {"image": image, "caption": self.caption(index)}
+        )  # image (3, H, W), its original size and crop (SDXL's size conditioning)
+        return {**sample, "caption": self.caption(index)}
 
     def __getitem__(self, index: int) -> dict:
         """Item `index`, or - if its files cannot be read - the next readable item, resized to

@@ -35,7 +35,7 @@ from lun.data.images import (
     INTERPOLATIONS,
     ImageError,
     check_choice,
-    load_image_tensor,
+    load_image_sample,
 )
 from lun.data.report import decode_text
 from lun.rng import seeded
@@ -275,19 +275,19 @@ class ShardStream(torch.utils.data.IterableDataset):
         """Decode one sample. Its random draws use the `random` module (seeded per batch), not
         the ordering rng, so skipping samples on resume leaves the order of the rest unchanged."""
         size = (self.size, self.size)
-        image = load_image_tensor(
+        sample = load_image_sample(
             io.BytesIO(raw["image"]),
             size,
             self.interpolation,
             self.crop,
             self.flip_p,
             max_pixels=self.max_image_pixels,
-        )  # (3, H, W)
+        )  # image (3, H, W), its original size and crop (SDXL's size conditioning)
         if self.prompts is None:
-            return {"image": image, "caption": raw["caption"] or ""}
+            return {**sample, "caption": raw["caption"] or ""}
         # Class-conditional mode: a prompt of the class, and its id for ldm.conditioning.ClassLabels.
         label = str(raw["cls"])
-        return {"image": image, "caption": random.choice(self.prompts[label]), "label": int(label)}
+        return {**sample, "caption": random.choice(self.prompts[label]), "label": int(label)}
 
     def __iter__(self):
         info = get_worker_info()

@@ -11,6 +11,8 @@ from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container, translate_legacy_keys
 from lun.data.local import Local
 
+SIZE_KEYS = ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")
+
 
 def _captions(dataset):
     return sorted(dataset[i]["caption"] for i in range(len(dataset)))
@@ -20,7 +22,7 @@ def test_flat_files_with_captions_beside_or_in_captions_folder(flat_folder):
     dataset = Local(str(flat_folder), size=16, cache_dir=False)
     assert len(dataset) == 6
     item = dataset[0]
-    assert set(item) == {"image", "caption"}
+    assert set(item) == {"image", "caption", *SIZE_KEYS}
     assert item["image"].dtype == torch.float32 and item["image"].shape == (3, 16, 16)
     assert -1 <= item["image"].min() and item["image"].max() <= 1
     assert _captions(dataset) == [f"caption {i}" for i in range(6)]
