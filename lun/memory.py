@@ -565,7 +565,7 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
         options.append(
             {
                 "name": "gradient checkpointing",
-                "how": "model.params.unet_config.params.use_checkpoint=true",
+                "how": "use_checkpoint: true in the backbone's params (unet_config, or network_config in sgm configs)",
                 "saves": saves((ACTIVATIONS, CHECKPOINTING_SAVES)),
             }
         )
