@@ -458,6 +458,9 @@ def _unload(model: nn.Module) -> None:
         if _is_lora_layer(layer):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer.get_base_layer())
+    for module in model.modules():  # peft's record of the adapters it added, now gone
+        if hasattr(module, "peft_config"):
+            del module.peft_config
 
 
 @torch.no_grad()
@@ -497,10 +500,13 @@ def merge_kohya(
     state: Mapping[str, torch.Tensor],
     weight: float = 1.0,
     source: str = "LoRA file",
+    magnitudes: Mapping[str, torch.Tensor] | None = None,
 ) -> int:
     """Merge a kohya LoRA state dict (ours or any trainer's) into `model`'s base weights at
     `weight`, through peft's layers; returns the number of layers changed. Adapters already in
-    the model must be merged first (`merge_adapters`)."""
+    the model must be merged first (`merge_adapters`). `magnitudes`: DoRA magnitudes by kohya
+    name in peft's own form (diffusers-format files), instead of kohya's `dora_scale`."""
+    magnitudes = magnitudes or {}
     if has_adapters(model):
         raise ValueError("merge the model's own adapters first (merge_adapters)")
     modules = kohya_modules(model)
@@ -523,7 +529,7 @@ def merge_kohya(
         else float(ranks[modules[k]])
         for k in downs
     }
-    dora = any(k + ".dora_scale" in state for k in downs)
+    dora = any(k + ".dora_scale" in state or k in magnitudes for k in downs)
     adapter = "merge"
     _inject(model, names, ranks, alphas, use_dora=dora, init_lora_weights=False, adapter=adapter)
     for kohya, name in zip(downs, names):
@@ -532,9 +538,26 @@ def merge_kohya(
         layer.lora_B[adapter].weight.copy_(state[kohya + ".lora_up.weight"])
         if dora:
             magnitude = layer.lora_magnitude_vector[adapter].weight
-            found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
+            found = magnitudes.get(kohya)
+            if found is None:
+                found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
             magnitude.copy_(found.reshape(magnitude.shape))
     return merge_adapters(model, weight, adapter)
+
+
+def merge_file(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    weight: float = 1.0,
+    source: str = "LoRA file",
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Merge a LoRA file's state dict, kohya or diffusers format (its safetensors `metadata`
+    may hold diffusers' alphas), into `model` at `weight` (`merge_kohya`)."""
+    if lora_kohya.is_diffusers_format(state):
+        state, magnitudes = lora_kohya.from_diffusers(state, metadata)
+        return merge_kohya(model, state, weight, source, magnitudes)
+    return merge_kohya(model, state, weight, source)
 
 
 def hold_base_for_training(model: nn.Module, trainer) -> None:

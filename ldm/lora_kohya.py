@@ -97,3 +97,54 @@ def kohya_name(key: str, res_blocks: int) -> str:
     """A module's name in `LatentDiffusion` -> its kohya LoRA name (without `.lora_down...`)."""
     component, path = module_path(key, res_blocks)
     return (KOHYA_UNET if component == "unet" else KOHYA_TEXT) + path.replace(".", "_")
+
+
+# diffusers/peft-format files: `<component>.<path>.lora_A.weight` / `.lora_B.weight` (and DoRA's
+# `.lora_magnitude_vector`), the format `pipeline.save_lora_weights` writes.
+DIFFUSERS_PREFIXES = {"unet": KOHYA_UNET, "text_encoder": KOHYA_TEXT}
+DIFFUSERS_KEY = re.compile(r"([^.]+)\.(.+)\.(lora_A|lora_B|lora_magnitude_vector)(?:\.weight)?")
+
+
+def is_diffusers_format(state) -> bool:
+    return any(DIFFUSERS_KEY.fullmatch(k) for k in state)
+
+
+def _diffusers_alpha(config: dict, component: str, path: str, rank: int) -> float:
+    """A layer's alpha by diffusers' rule: `lora_adapter_metadata`'s alpha_pattern (peft's
+    match: the pattern ends the module path) or lora_alpha; with no metadata alpha = rank."""
+    for pattern, alpha in config.get(f"{component}.alpha_pattern", {}).items():
+        if re.fullmatch(rf"(.*\.)?({pattern})", path):
+            return float(alpha)
+    return float(config.get(f"{component}.lora_alpha", rank))
+
+
+def from_diffusers(state, metadata: dict | None = None) -> tuple[dict, dict]:
+    """A diffusers-format LoRA state dict -> (the same layers under kohya names, with `.alpha`,
+    as `ldm.lora.merge_kohya` reads them; DoRA magnitudes by kohya name, peft's own values)."""
+    import json
+
+    import torch
+
+    config = json.loads((metadata or {}).get("lora_adapter_metadata") or "{}")
+    kohya, magnitudes = {}, {}
+    for key, value in state.items():
+        found = DIFFUSERS_KEY.fullmatch(key)
+        if found is None:
+            continue
+        component, path, part = found.groups()
+        if component not in DIFFUSERS_PREFIXES:
+            raise ValueError(
+                f"{key}: a LoRA layer of '{component}', not of a SD 1.x/2.x UNet or text encoder"
+            )
+        if component == "text_encoder" and not path.startswith("text_model."):
+            path = "text_model." + path  # transformers >= 5 dropped CLIPTextModel's level
+        name = DIFFUSERS_PREFIXES[component] + path.replace(".", "_")
+        if part == "lora_A":
+            kohya[f"{name}.lora_down.weight"] = value
+            alpha = _diffusers_alpha(config, component, path, value.shape[0])
+            kohya[f"{name}.alpha"] = torch.tensor(alpha)
+        elif part == "lora_B":
+            kohya[f"{name}.lora_up.weight"] = value
+        else:
+            magnitudes[name] = value
+    return kohya, magnitudes
