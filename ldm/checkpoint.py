@@ -421,14 +421,17 @@ def load_weights(
     ema: bool | None = None,
     strict: bool = True,
     unsafe: bool = False,
+    contents: Mapping | None = None,
 ) -> dict:
     """Load a checkpoint (ours or an original SD one) into a `LatentDiffusion`, strictly.
 
     Args:
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
+        contents: the file's contents when already read (e.g. a merged DeepSpeed folder).
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
-    contents = load_file_state(path, unsafe=unsafe)
+    if contents is None:
+        contents = load_file_state(path, unsafe=unsafe)
     bare = bare_backbone_state(contents, model.backbone, ema)
     if bare is not None:
         result = model.backbone.load_state_dict(bare, strict=False)

@@ -22,6 +22,7 @@ from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
 from lun.lora_use import parse_spec, safetensors_metadata
+from lun.strategies import load_training_checkpoint
 
 
 def load_model(args):
@@ -30,7 +31,9 @@ def load_model(args):
     cfg.model.params.pop("ckpt_path", None)
     check_complete(cfg.model)
     model = instantiate_from_config(to_container(cfg.model))
-    checkpoint.load_weights(model, args.ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    # A file, or a DeepSpeed / sharded FSDP folder merged into one state dict.
+    contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
+    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents)
     return model.eval()
 
 
