@@ -36,6 +36,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 CLIP_PREFIX = "cond_stage_model.transformer."
+OPENCLIP_PREFIX = "cond_stage_model.model."  # SD 2.x's OpenCLIP text tower
 EMA_PREFIX = "model_ema."
 EMA_SCALARS = ("model_ema.decay", "model_ema.num_updates")
 BACKBONE_PREFIX = "model."  # LatentDiffusion.model (the wrapper holding `diffusion_model`)
