@@ -570,6 +570,10 @@ def merge_kohya(
     )
     if not downs:
         raise ValueError(f"{source}: no kohya LoRA weights (<name>.lora_down.weight) in it")
+    fused = _merge_split_qkv(model, state, downs, weight, source)
+    downs = [k for k in downs if k not in fused]
+    if not downs:
+        return len(fused)
     unknown = [k for k in downs if k not in modules]
     if unknown:
         raise ValueError(
@@ -597,7 +601,38 @@ def merge_kohya(
             if found is None:
                 found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
             magnitude.copy_(found.reshape(magnitude.shape))
-    return merge_adapters(model, weight, adapter)
+    return merge_adapters(model, weight, adapter) + len(fused)
+
+
+def _merge_split_qkv(model, state, downs: list[str], weight: float, source: str) -> set[str]:
+    """The q/k/v LoRAs of an OpenCLIP text encoder (SD 2.x; kohya / diffusers name its split
+    q_proj/k_proj/v_proj) added to their rows of the fused `in_proj_weight` by kohya's rule,
+    W += weight * alpha / rank * up @ down (no peft layer holds a third of a weight); returns
+    the kohya names merged."""
+    res_blocks = res_blocks_of(model.backbone)
+    rows = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "in_proj_weight", None), nn.Parameter):
+            for index, part in enumerate("qkv"):
+                try:
+                    rows[lora_kohya.kohya_name(f"{name}.in_proj.{part}", res_blocks)] = (
+                        module,
+                        index,
+                    )
+                except ValueError:
+                    continue
+    merged = {k for k in downs if k in rows}
+    for kohya in merged:
+        if kohya + ".dora_scale" in state:
+            raise ValueError(f"{source}: {kohya}: DoRA on the split q/k/v is not supported")
+        down, up = state[kohya + ".lora_down.weight"], state[kohya + ".lora_up.weight"]
+        alpha = float(state[kohya + ".alpha"]) if kohya + ".alpha" in state else down.shape[0]
+        module, index = rows[kohya]
+        fused = module.in_proj_weight
+        width = fused.shape[0] // 3
+        delta = (up.float() @ down.float()) * (weight * alpha / down.shape[0])
+        fused.data[index * width : (index + 1) * width] += delta.to(fused)
+    return merged
 
 
 def merge_file(

@@ -60,6 +60,7 @@ def hf_text_encoder(base_state: dict):
     return model
 
 
+@pytest.mark.slow
 def test_sd2_text_encoder_lora_loads_in_diffusers_with_our_outputs(tmp_path, tiny_v2_config):
     model = build(tiny_v2_config, SETTINGS).eval()
     randomize_adapters(model)
@@ -99,19 +100,29 @@ def test_sd2_text_encoder_lora_loads_in_diffusers_with_our_outputs(tmp_path, tin
     torch.testing.assert_close(with_lora, ours, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_sd2_run_adapters_merge_into_the_fused_weight(tiny_v2_config):
     """peft's merge folds the q/k/v LoRA into `in_proj_weight`: a plain SD 2.x checkpoint with
-    the same outputs; dropout / DoRA on that tower are one config error naming the key."""
+    the same outputs, as does our kohya file merged into a plain model (the `--lora` path);
+    dropout / DoRA on that tower are one config error naming the key."""
     model = build(tiny_v2_config, SETTINGS).eval()
     randomize_adapters(model)
     tokens = model.conditioner.tokenize(["a red circle"])
+    kohya = lora.kohya_state_dict(model)
+    plain = build(tiny_v2_config, None).eval()
     with torch.no_grad():
         expected = model.conditioner.encode_with_transformer(tokens)
+        before = plain.conditioner.encode_with_transformer(tokens)
         lora.merge_adapters(model)
         merged = model.conditioner.encode_with_transformer(tokens)
+        # Our kohya file (split q/k/v) merged into a plain SD 2.x model, as `--lora` does.
+        assert lora.merge_file(plain, kohya) == len([k for k in kohya if k.endswith(".alpha")])
+        from_file = plain.conditioner.encode_with_transformer(tokens)
     assert not lora.has_adapters(model)
     assert set(model.state_dict()) == set(build(tiny_v2_config, None).state_dict())
+    assert (expected - before).abs().max() > 1e-2
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(from_file, expected, rtol=0, atol=1e-5)
     for bad in (
         "{rank: 2, text_encoder: {rank: 2, dropout: 0.1}}",
         "{dora: true, text_encoder: {}}",
