@@ -40,6 +40,7 @@ CLIP_PREFIX = "cond_stage_model.transformer."
 # `denoiser.sigmas` (sqrt((1 - alphas_cumprod) / alphas_cumprod), not a weight).
 SGM_CLIP_PREFIX = "conditioner.embedders.0.transformer."
 SGM_CONSTANTS = ("denoiser.sigmas",)
+OPENCLIP_PREFIX = "cond_stage_model.model."  # SD 2.x's OpenCLIP text tower
 EMA_PREFIX = "model_ema."
 EMA_SCALARS = ("model_ema.decay", "model_ema.num_updates")
 BACKBONE_PREFIX = "model."  # LatentDiffusion.model (the wrapper holding `diffusion_model`)
@@ -428,17 +429,21 @@ def load_weights(
     ema: bool | None = None,
     strict: bool = True,
     unsafe: bool = False,
+    contents: Mapping | None = None,
 ) -> dict:
     """Load a checkpoint (ours or an original SD one) into a `LatentDiffusion`, strictly.
 
     Args:
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
+        contents: the file's contents when already read (e.g. a merged DeepSpeed folder).
     `path` may also be a diffusers folder, read in the original layout (`ldm.diffusers_layout`).
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
     from ldm import diffusers_layout  # it builds on this module
 
-    if diffusers_layout.is_diffusers_folder(path):
+    if contents is not None:
+        pass
+    elif diffusers_layout.is_diffusers_folder(path):
         contents = diffusers_layout.load_folder(model, path, unsafe=unsafe)
     else:
         contents = load_file_state(path, unsafe=unsafe)

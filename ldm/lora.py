@@ -30,6 +30,7 @@ UNET_GROUPS = {
     "conv": r"\.(in_layers\.2|out_layers\.3|emb_layers\.1|skip_connection|op|conv)",
 }
 TEXT_LAYERS = r"(^|\.)encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+OPENCLIP_LAYERS = r"transformer\.resblocks\.(\d+)\.(attn\.out_proj|mlp\.c_fc|mlp\.c_proj)"
 BASE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITS = {"default": True, "gaussian": "gaussian"}  # peft's init_lora_weights: B = 0 for both
 
@@ -178,9 +179,16 @@ def _inject(
         **kwargs,
     )
     inject_adapter_in_model(config, module, adapter_name=adapter)
-    made = {n for n, m in module.named_modules() if _is_lora_layer(m)}
-    if made != set(names):  # peft matches names by suffix: check that it took exactly these
-        raise RuntimeError(f"peft adapted {len(made)} layers, asked for {len(names)}")
+    made = {layer_name(n) for n, m in module.named_modules() if _is_lora_layer(m)}
+    asked = {*names, *(p.rpartition(".")[0] for p in kwargs.get("target_parameters", ()))}
+    if made != asked:  # peft matches names by suffix: check that it took exactly these
+        raise RuntimeError(f"peft adapted {len(made)} layers, asked for {len(asked)}")
+
+
+def layer_name(name: str) -> str:
+    """A LoRA layer's module name without peft's `base_layer` levels (a layer inside a wrapped
+    one: OpenCLIP's `attn.base_layer.out_proj` under the q/k/v parameter's wrapper)."""
+    return name.replace("." + checkpoint.PEFT_BASE_LEVEL, ".")
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -209,26 +217,8 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     ranks = {n: conv_rank if is_3x3[n] else settings.rank for n in names}
     alphas = {n: conv_alpha if is_3x3[n] else alpha for n in names}
     _inject(unet, names, ranks, alphas, lora_dropout=settings.dropout, **common)
-    text = settings.text_encoder
-    if text is not None:
-        encoder = model.conditioner
-        clip = _clip_text_model(encoder)
-        if clip is None or not text_targets(clip):
-            raise ValueError(
-                "model.params.lora.text_encoder: supported for the CLIP text encoder "
-                "(ldm.text_encoder.FrozenCLIPEmbedder, SD 1.x) only"
-            )
-        names = text_targets(clip)
-        text_alpha = text.alpha or text.rank
-        _inject(
-            clip,
-            names,
-            dict.fromkeys(names, text.rank),
-            dict.fromkeys(names, text_alpha),
-            lora_dropout=text.dropout,
-            **common,
-        )
-        encoder.trainable = True  # gradients flow through it (only its adapters train)
+    if settings.text_encoder is not None:
+        _add_text_adapters(model.conditioner, settings.text_encoder, common)
     for name, param in model.named_parameters():
         param.requires_grad_(checkpoint.is_adapter_name(name))
         if param.requires_grad:
@@ -238,6 +228,52 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     model.register_load_state_dict_pre_hook(
         functools.partial(_to_peft_names, list(model.state_dict()))
     )
+
+
+def _add_text_adapters(encoder: nn.Module, text: TextEncoderLora, common: dict) -> None:
+    """LoRA on the CLIP (SD 1.x) or OpenCLIP (SD 2.x) text encoder's attention and MLP layers."""
+    alpha = text.alpha or text.rank
+    clip = _clip_text_model(encoder)
+    tower = getattr(encoder, "model", None)
+    if clip is not None and text_targets(clip):
+        names = text_targets(clip)
+        ranks, alphas = dict.fromkeys(names, text.rank), dict.fromkeys(names, alpha)
+        _inject(clip, names, ranks, alphas, lora_dropout=text.dropout, **common)
+    elif tower is not None and hasattr(tower, "transformer") and hasattr(encoder, "LAYERS"):
+        if text.dropout or common["use_dora"]:
+            raise ValueError(
+                "model.params.lora.text_encoder: the OpenCLIP text encoder (SD 2.x) takes plain "
+                "LoRA (its fused q/k/v weight has no dropout or DoRA in peft); set dropout: 0 "
+                "and dora: false, or leave out text_encoder"
+            )
+        # The blocks the conditioning uses: SD 2.x's penultimate layer leaves the last one out
+        # (as kohya's and diffusers' 23-layer CLIPTextModel of it do).
+        used = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
+        linears, fused = openclip_targets(tower, used)
+        _inject(
+            tower,
+            linears,
+            dict.fromkeys(linears, text.rank),
+            dict.fromkeys(linears, alpha),
+            init_lora_weights=common["init_lora_weights"],
+            target_parameters=fused,
+        )
+    else:
+        raise ValueError(
+            "model.params.lora.text_encoder: supported for the CLIP (SD 1.x) and OpenCLIP "
+            f"(SD 2.x) text encoders of ldm.text_encoder, not {type(encoder).__name__}"
+        )
+    encoder.trainable = True  # gradients flow through it (only its adapters train)
+
+
+def openclip_targets(tower: nn.Module, used_blocks: int) -> tuple[list[str], list[str]]:
+    """Names (in an OpenCLIP text tower) of the LoRA layers of its first `used_blocks` blocks:
+    the Linear layers (attention output, MLP) and the fused q/k/v weights (`attn.in_proj_weight`,
+    a parameter: peft's `target_parameters`, one LoRA of the stacked q/k/v rows)."""
+    found = [re.fullmatch(OPENCLIP_LAYERS, n) for n, m in tower.named_modules()]
+    linears = [f[0] for f in found if f and int(f[1]) < used_blocks]
+    fused = [f"transformer.resblocks.{i}.attn.in_proj_weight" for i in range(used_blocks)]
+    return linears, fused
 
 
 @torch.no_grad()
@@ -352,10 +388,26 @@ def res_blocks_of(unet: nn.Module) -> int:
 def adapter_layers(model: nn.Module, adapter: str = ADAPTER) -> dict[str, nn.Module]:
     """The LoRA layers of `model` by their original module name (`model.diffusion_model...`)."""
     return {
-        name: layer
+        layer_name(name): layer
         for name, layer in model.named_modules()
         if _is_lora_layer(layer) and adapter in layer.lora_A
     }
+
+
+def _exported_parts(name: str, layer, adapter: str):
+    """(module name, lora_A, lora_B) of a layer as kohya / diffusers files hold it. OpenCLIP's
+    fused q/k/v LoRA (W_qkv + B A, B stacked q/k/v rows) is three LoRAs of the split q/k/v
+    weights that share A: exactly the layers of the HF CLIP model that kohya and diffusers
+    convert SD 2.x's text encoder to."""
+    down, up = layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach()
+    if not _is_fused_qkv(layer):
+        return [(name, down, up)]
+    parts = zip("qkv", up.chunk(3))  # copies: a file holds each tensor on its own
+    return [(f"{name}.in_proj.{part}", down.clone(), rows.clone()) for part, rows in parts]
+
+
+def _is_fused_qkv(layer) -> bool:
+    return getattr(layer, "parameter_name", None) == "in_proj_weight"
 
 
 def _row_norms(weight: torch.Tensor) -> torch.Tensor:
@@ -397,10 +449,11 @@ def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict
     res_blocks = res_blocks_of(model.backbone)
     state = {}
     for name, layer in adapter_layers(model).items():
-        kohya = lora_kohya.kohya_name(name, res_blocks)
-        state[f"{kohya}.lora_down.weight"] = layer.lora_A[ADAPTER].weight.detach()
-        state[f"{kohya}.lora_up.weight"] = layer.lora_B[ADAPTER].weight.detach()
-        state[f"{kohya}.alpha"] = torch.tensor(float(layer.lora_alpha[ADAPTER]))
+        for part, down, up in _exported_parts(name, layer, ADAPTER):
+            kohya = lora_kohya.kohya_name(part, res_blocks)
+            state[f"{kohya}.lora_down.weight"] = down
+            state[f"{kohya}.lora_up.weight"] = up
+            state[f"{kohya}.alpha"] = torch.tensor(float(layer.lora_alpha[ADAPTER]))
         scale = _dora_scale(layer, ADAPTER)
         if scale is not None:
             state[f"{kohya}.dora_scale"] = scale
@@ -414,11 +467,12 @@ def diffusers_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     res_blocks = res_blocks_of(model.backbone)
     state = {}
     for name, layer in adapter_layers(model).items():
-        component, path = lora_kohya.module_path(name, res_blocks)
-        key = f"{component}.{path}"
         scaling = layer.lora_alpha[ADAPTER] / layer.r[ADAPTER]
-        state[f"{key}.lora_A.weight"] = layer.lora_A[ADAPTER].weight.detach().float()
-        state[f"{key}.lora_B.weight"] = layer.lora_B[ADAPTER].weight.detach().float() * scaling
+        for part, down, up in _exported_parts(name, layer, ADAPTER):
+            component, path = lora_kohya.module_path(part, res_blocks)
+            key = f"{component}.{path}"
+            state[f"{key}.lora_A.weight"] = down.float()
+            state[f"{key}.lora_B.weight"] = up.float() * scaling
         if layer.use_dora.get(ADAPTER):
             # peft's own shape: (out,) for Linear, (1, out, 1, 1) for Conv2d
             state[f"{key}.lora_magnitude_vector.weight"] = (
@@ -454,10 +508,13 @@ def kohya_metadata(model: nn.Module, settings: LoraSettings, base_version: str) 
 # --- merging -------------------------------------------------------------------------------
 def _unload(model: nn.Module) -> None:
     """Replace every peft layer by its base layer (after merging, or to drop the adapters)."""
-    for name, layer in list(model.named_modules()):
+    for name, layer in reversed(list(model.named_modules())):  # inner layers first
         if _is_lora_layer(layer):
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, layer.get_base_layer())
+    for module in model.modules():  # peft's record of the adapters it added, now gone
+        if hasattr(module, "peft_config"):
+            del module.peft_config
 
 
 @torch.no_grad()
@@ -468,7 +525,8 @@ def merge_adapters(model: nn.Module, weight: float = 1.0, adapter: str = ADAPTER
     for DoRA it is how kohya-format loaders apply a strength (ComfyUI's weight_decompose)."""
     layers = adapter_layers(model, adapter)
     for layer in layers.values():
-        base = layer.get_base_layer().weight
+        # the wrapped weight: a layer's `weight`, or a wrapped parameter (OpenCLIP's in_proj)
+        base = getattr(layer.get_base_layer(), getattr(layer, "parameter_name", "weight"))
         before = base.detach().clone() if weight != 1.0 else None
         layer.merge(safe_merge=True, adapter_names=[adapter])
         if before is not None:
@@ -497,10 +555,13 @@ def merge_kohya(
     state: Mapping[str, torch.Tensor],
     weight: float = 1.0,
     source: str = "LoRA file",
+    magnitudes: Mapping[str, torch.Tensor] | None = None,
 ) -> int:
     """Merge a kohya LoRA state dict (ours or any trainer's) into `model`'s base weights at
     `weight`, through peft's layers; returns the number of layers changed. Adapters already in
-    the model must be merged first (`merge_adapters`)."""
+    the model must be merged first (`merge_adapters`). `magnitudes`: DoRA magnitudes by kohya
+    name in peft's own form (diffusers-format files), instead of kohya's `dora_scale`."""
+    magnitudes = magnitudes or {}
     if has_adapters(model):
         raise ValueError("merge the model's own adapters first (merge_adapters)")
     modules = kohya_modules(model)
@@ -509,6 +570,10 @@ def merge_kohya(
     )
     if not downs:
         raise ValueError(f"{source}: no kohya LoRA weights (<name>.lora_down.weight) in it")
+    fused = _merge_split_qkv(model, state, downs, weight, source)
+    downs = [k for k in downs if k not in fused]
+    if not downs:
+        return len(fused)
     unknown = [k for k in downs if k not in modules]
     if unknown:
         raise ValueError(
@@ -523,7 +588,7 @@ def merge_kohya(
         else float(ranks[modules[k]])
         for k in downs
     }
-    dora = any(k + ".dora_scale" in state for k in downs)
+    dora = any(k + ".dora_scale" in state or k in magnitudes for k in downs)
     adapter = "merge"
     _inject(model, names, ranks, alphas, use_dora=dora, init_lora_weights=False, adapter=adapter)
     for kohya, name in zip(downs, names):
@@ -532,9 +597,57 @@ def merge_kohya(
         layer.lora_B[adapter].weight.copy_(state[kohya + ".lora_up.weight"])
         if dora:
             magnitude = layer.lora_magnitude_vector[adapter].weight
-            found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
+            found = magnitudes.get(kohya)
+            if found is None:
+                found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
             magnitude.copy_(found.reshape(magnitude.shape))
-    return merge_adapters(model, weight, adapter)
+    return merge_adapters(model, weight, adapter) + len(fused)
+
+
+def _merge_split_qkv(model, state, downs: list[str], weight: float, source: str) -> set[str]:
+    """The q/k/v LoRAs of an OpenCLIP text encoder (SD 2.x; kohya / diffusers name its split
+    q_proj/k_proj/v_proj) added to their rows of the fused `in_proj_weight` by kohya's rule,
+    W += weight * alpha / rank * up @ down (no peft layer holds a third of a weight); returns
+    the kohya names merged."""
+    res_blocks = res_blocks_of(model.backbone)
+    rows = {}
+    for name, module in model.named_modules():
+        if isinstance(getattr(module, "in_proj_weight", None), nn.Parameter):
+            for index, part in enumerate("qkv"):
+                try:
+                    rows[lora_kohya.kohya_name(f"{name}.in_proj.{part}", res_blocks)] = (
+                        module,
+                        index,
+                    )
+                except ValueError:
+                    continue
+    merged = {k for k in downs if k in rows}
+    for kohya in merged:
+        if kohya + ".dora_scale" in state:
+            raise ValueError(f"{source}: {kohya}: DoRA on the split q/k/v is not supported")
+        down, up = state[kohya + ".lora_down.weight"], state[kohya + ".lora_up.weight"]
+        alpha = float(state[kohya + ".alpha"]) if kohya + ".alpha" in state else down.shape[0]
+        module, index = rows[kohya]
+        fused = module.in_proj_weight
+        width = fused.shape[0] // 3
+        delta = (up.float() @ down.float()) * (weight * alpha / down.shape[0])
+        fused.data[index * width : (index + 1) * width] += delta.to(fused)
+    return merged
+
+
+def merge_file(
+    model: nn.Module,
+    state: Mapping[str, torch.Tensor],
+    weight: float = 1.0,
+    source: str = "LoRA file",
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """Merge a LoRA file's state dict, kohya or diffusers format (its safetensors `metadata`
+    may hold diffusers' alphas), into `model` at `weight` (`merge_kohya`)."""
+    if lora_kohya.is_diffusers_format(state):
+        state, magnitudes = lora_kohya.from_diffusers(state, metadata)
+        return merge_kohya(model, state, weight, source, magnitudes)
+    return merge_kohya(model, state, weight, source)
 
 
 def hold_base_for_training(model: nn.Module, trainer) -> None:

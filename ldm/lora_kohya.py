@@ -11,7 +11,7 @@ inverse of AUTOMATIC1111's `convert_diffusers_name_to_compvis` (shared/reference
 
 import re
 
-from ldm.checkpoint import BACKBONE_PREFIX, CLIP_PREFIX
+from ldm.checkpoint import BACKBONE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX
 
 UNET_PREFIX = BACKBONE_PREFIX + "diffusion_model."  # our UNet's modules in LatentDiffusion
 KOHYA_UNET, KOHYA_TEXT = "lora_unet_", "lora_te_"
@@ -23,6 +23,15 @@ RESNET_NAMES = {
     "out_layers.0": "norm2",
     "out_layers.3": "conv2",
     "skip_connection": "conv_shortcut",
+}
+# OpenCLIP block -> HF CLIP encoder layer (the conversion kohya and diffusers make for SD 2.x).
+OPENCLIP_TO_HF = {
+    "attn.in_proj.q": "self_attn.q_proj",
+    "attn.in_proj.k": "self_attn.k_proj",
+    "attn.in_proj.v": "self_attn.v_proj",
+    "attn.out_proj": "self_attn.out_proj",
+    "mlp.c_fc": "mlp.fc1",
+    "mlp.c_proj": "mlp.fc2",
 }
 TOP_LEVEL_NAMES = {
     "time_embed.0": "time_embedding.linear_1",
@@ -83,6 +92,17 @@ def diffusers_unet_path(name: str, res_blocks: int) -> str:
     return _block_part("up", level, index, layer, inner)
 
 
+def openclip_hf_path(name: str) -> str:
+    """An OpenCLIP text-tower module (SD 2.x, `ldm.text_encoder.OpenCLIPTextTransformer`) ->
+    its path in the HF CLIPTextModel that kohya-ss (model_util.convert_ldm_clip_checkpoint_v2)
+    and diffusers (single_file_utils.convert_open_clip_checkpoint) convert it to; the fused
+    q/k/v as `attn.in_proj.q|k|v` (its split rows, see `ldm.lora._exported_parts`)."""
+    found = re.fullmatch(r"transformer\.resblocks\.(\d+)\.(.+)", name)
+    if found is None or found[2] not in OPENCLIP_TO_HF:
+        raise ValueError(f"no HF CLIP name for OpenCLIP module '{name}'")
+    return f"text_model.encoder.layers.{found[1]}.{OPENCLIP_TO_HF[found[2]]}"
+
+
 def module_path(key: str, res_blocks: int) -> tuple[str, str]:
     """A module's name in `LatentDiffusion` -> (component, path in the diffusers pipeline's
     component): ("unet", "down_blocks.0...") or ("text_encoder", "text_model.encoder...")."""
@@ -90,6 +110,8 @@ def module_path(key: str, res_blocks: int) -> tuple[str, str]:
         return "unet", diffusers_unet_path(key.removeprefix(UNET_PREFIX), res_blocks)
     if key.startswith(CLIP_PREFIX + "text_model."):
         return "text_encoder", key.removeprefix(CLIP_PREFIX)
+    if key.startswith(OPENCLIP_PREFIX + "transformer."):
+        return "text_encoder", openclip_hf_path(key.removeprefix(OPENCLIP_PREFIX))
     raise ValueError(f"no kohya / diffusers LoRA name for module '{key}'")
 
 
@@ -97,3 +119,54 @@ def kohya_name(key: str, res_blocks: int) -> str:
     """A module's name in `LatentDiffusion` -> its kohya LoRA name (without `.lora_down...`)."""
     component, path = module_path(key, res_blocks)
     return (KOHYA_UNET if component == "unet" else KOHYA_TEXT) + path.replace(".", "_")
+
+
+# diffusers/peft-format files: `<component>.<path>.lora_A.weight` / `.lora_B.weight` (and DoRA's
+# `.lora_magnitude_vector`), the format `pipeline.save_lora_weights` writes.
+DIFFUSERS_PREFIXES = {"unet": KOHYA_UNET, "text_encoder": KOHYA_TEXT}
+DIFFUSERS_KEY = re.compile(r"([^.]+)\.(.+)\.(lora_A|lora_B|lora_magnitude_vector)(?:\.weight)?")
+
+
+def is_diffusers_format(state) -> bool:
+    return any(DIFFUSERS_KEY.fullmatch(k) for k in state)
+
+
+def _diffusers_alpha(config: dict, component: str, path: str, rank: int) -> float:
+    """A layer's alpha by diffusers' rule: `lora_adapter_metadata`'s alpha_pattern (peft's
+    match: the pattern ends the module path) or lora_alpha; with no metadata alpha = rank."""
+    for pattern, alpha in config.get(f"{component}.alpha_pattern", {}).items():
+        if re.fullmatch(rf"(.*\.)?({pattern})", path):
+            return float(alpha)
+    return float(config.get(f"{component}.lora_alpha", rank))
+
+
+def from_diffusers(state, metadata: dict | None = None) -> tuple[dict, dict]:
+    """A diffusers-format LoRA state dict -> (the same layers under kohya names, with `.alpha`,
+    as `ldm.lora.merge_kohya` reads them; DoRA magnitudes by kohya name, peft's own values)."""
+    import json
+
+    import torch
+
+    config = json.loads((metadata or {}).get("lora_adapter_metadata") or "{}")
+    kohya, magnitudes = {}, {}
+    for key, value in state.items():
+        found = DIFFUSERS_KEY.fullmatch(key)
+        if found is None:
+            continue
+        component, path, part = found.groups()
+        if component not in DIFFUSERS_PREFIXES:
+            raise ValueError(
+                f"{key}: a LoRA layer of '{component}', not of a SD 1.x/2.x UNet or text encoder"
+            )
+        if component == "text_encoder" and not path.startswith("text_model."):
+            path = "text_model." + path  # transformers >= 5 dropped CLIPTextModel's level
+        name = DIFFUSERS_PREFIXES[component] + path.replace(".", "_")
+        if part == "lora_A":
+            kohya[f"{name}.lora_down.weight"] = value
+            alpha = _diffusers_alpha(config, component, path, value.shape[0])
+            kohya[f"{name}.alpha"] = torch.tensor(alpha)
+        elif part == "lora_B":
+            kohya[f"{name}.lora_up.weight"] = value
+        else:
+            magnitudes[name] = value
+    return kohya, magnitudes

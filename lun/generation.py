@@ -6,6 +6,7 @@ AUTOMATIC1111 writes (and ComfyUI / other viewers read).
 
 import argparse
 import contextlib
+import json
 import os
 import pickle
 import re
@@ -22,6 +23,7 @@ from ldm.diffusers_layout import is_diffusers_folder
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.images import make_grid
+from lun.lora_use import apply_loras, infotext_fields, parse_specs, tagged_prompt
 
 SAMPLER_NAMES = {
     "ddim": "DDIM",
@@ -92,6 +94,14 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         "--unsafe-load",
         action="store_true",
         help="allow pickled code in a .ckpt (only for files you trust)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:WEIGHT]",
+        help="merge a LoRA / LoCon / DoRA file (kohya or diffusers format) at WEIGHT (default "
+        "1) before sampling; repeatable",
     )
 
 
@@ -219,8 +229,14 @@ def a1111_parameters(
     lines = [prompt if isinstance(prompt, str) else f"class {prompt}"]
     if negative:
         lines.append(f"Negative prompt: {negative}")
-    lines.append(", ".join(f"{k}: {v}" for k, v in fields.items()))
+    lines.append(", ".join(f"{k}: {a1111_quote(v)}" for k, v in fields.items()))
     return "\n".join(lines)
+
+
+def a1111_quote(value) -> str:
+    """A1111's `infotext_utils.quote`: a value holding `,`, `:` or a newline as a JSON string."""
+    text = str(value)
+    return json.dumps(text, ensure_ascii=False) if any(c in text for c in ",:\n") else text
 
 
 def to_pil(image: torch.Tensor) -> Image.Image:
@@ -252,7 +268,9 @@ def generate(
     args, init_images: torch.Tensor | None = None, extra_params: dict | None = None
 ) -> list[Path]:
     """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
+    lora_files = parse_specs(getattr(args, "lora", []))  # checked before the model loads
     model = load_model(args)
+    loras = apply_loras(model, lora_files)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
     default_height, default_width = (
@@ -302,14 +320,14 @@ def generate(
             for image, seed in zip(images, seeds):
                 path = sample_dir / f"{count:05d}.png"
                 params = a1111_parameters(
-                    prompt,
+                    tagged_prompt(prompt, loras),
                     args.negative_prompt,
                     args,
                     seed,
                     width,
                     height,
                     model_hash,
-                    extra_params,
+                    {**(extra_params or {}), **infotext_fields(loras)},
                 )
                 save_png(to_pil(image), path, params)
                 written.append(path)

@@ -622,6 +622,10 @@ def _merge_fsdp_shards(path: Path, unsafe: bool) -> dict:
 def _as_lightning_checkpoint(weights: dict, client: dict) -> dict:
     """Merged weights (module names) + the client state Lightning saved beside them."""
     checkpoint.from_original_layout(weights)
+    if any(checkpoint.is_adapter_name(k) for k in weights):
+        # A LoRA run: peft's levels out, adapters under `lora.`, as `ldm.lora.save_layout` does
+        # for files (the engines save the module's own names).
+        weights = checkpoint.to_original_layout(weights)
     weights.update(client.get(CALLBACK_STATE_KEY) or {})
     kept = {
         k: v

@@ -21,6 +21,8 @@ from ldm import checkpoint, lora
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
+from lun.lora_use import parse_spec, safetensors_metadata
+from lun.strategies import load_training_checkpoint
 
 
 def load_model(args):
@@ -29,17 +31,10 @@ def load_model(args):
     cfg.model.params.pop("ckpt_path", None)
     check_complete(cfg.model)
     model = instantiate_from_config(to_container(cfg.model))
-    checkpoint.load_weights(model, args.ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    # A file, or a DeepSpeed / sharded FSDP folder merged into one state dict.
+    contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
+    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents)
     return model.eval()
-
-
-def file_and_weight(text: str) -> tuple[str, float]:
-    """ "FILE[:WEIGHT]" -> (FILE, WEIGHT); weight 1 when none is given."""
-    path, _, weight = text.rpartition(":")
-    try:
-        return path, float(weight)
-    except ValueError:
-        return text, 1.0
 
 
 def export(args) -> None:
@@ -66,9 +61,10 @@ def merge(args) -> None:
     model = load_model(args)
     merged = lora.merge_adapters(model, args.weight) if lora.has_adapters(model) else 0
     for item in args.lora:
-        path, weight = file_and_weight(item)
-        state = checkpoint.load_file_state(path)
-        merged += lora.merge_kohya(model, checkpoint.state_dict_of(state), weight, source=path)
+        path, weight = parse_spec(item)
+        state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
+        metadata = safetensors_metadata(path)
+        merged += lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
     if not merged:
         raise ValueError("nothing to merge: the checkpoint has no adapters and no --lora was given")
     state = {k: v for k, v in model.state_dict().items()}
@@ -102,7 +98,7 @@ def main(argv=None) -> None:
         action="append",
         default=[],
         metavar="FILE[:WEIGHT]",
-        help="kohya LoRA files to merge too",
+        help="LoRA files (kohya or diffusers format) to merge too",
     )
     args = parser.parse_args(argv)
     with one_line_errors():

@@ -9,11 +9,11 @@ from lun.config import merge_configs, to_container
 LOCON_DORA = "{rank: 2, alpha: 1, targets: [attn, proj, ff, conv], conv_rank: 3, conv_alpha: 6, dora: true, text_encoder: {rank: 2, alpha: 4}}"
 
 
-def build(config, lora_settings: str | None, seed: int = 0):
+def build(config, lora_settings: str | None, seed: int = 0, overrides: tuple[str, ...] = ()):
     """The tiny model with a "pretrained" base: every base weight moved by seeded noise (the
     fresh UNet's zero-initialised output layer would hide everything), the same with and
-    without adapters; fresh adapters (B = 0) on it."""
-    dotlist = [f"model.params.lora={lora_settings}"] if lora_settings else []
+    without adapters; fresh adapters (B = 0) on it. `overrides`: dotlist of the config."""
+    dotlist = [*overrides, *([f"model.params.lora={lora_settings}"] if lora_settings else [])]
     torch.manual_seed(seed)
     model = instantiate_from_config(to_container(merge_configs([config], dotlist))["model"])
     generator = torch.Generator().manual_seed(seed)

@@ -1,0 +1,44 @@
+"""A LoRA run resumes exactly: N straight steps equal k steps + kill -9 + `--resume` + N - k steps,
+bit for bit, in the adapter weights, the optimizer's moments and the EMA of the adapters.
+
+tests/test_resume.py's launcher runs (demo config made tiny, caption dropout, flips, offset
+noise, warm-up + cosine, EMA, AdamW) with LoRA, LoCon and DoRA on the UNet and LoRA on the text
+encoder, from a "pretrained" base (`ckpt_path`: a from-scratch UNet's zero output layer would
+give the adapters no gradient, and DoRA's row norms of zero-initialised layers are 0). Its helper
+compares the EMA, optimizer state and step; this file the adapters (`lora.*`)."""
+
+import pytest
+import torch
+from lora_helpers import build
+from test_resume import AT_EPOCH_END, DEMO, assert_resume_is_exact
+
+from ldm import checkpoint
+
+LORA = "{rank: 2, alpha: 4, targets: [attn, ff, conv], dora: true, text_encoder: {rank: 2}}"
+SHAPE = "model.params.unet_config.params.channel_mult=[1,2]"  # as test_resume's demo_args
+
+
+def adapters(run) -> tuple[dict, dict]:
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    return {k: v for k, v in saved["state_dict"].items() if k.startswith("lora.")}, saved
+
+
+@pytest.mark.slow
+def test_lora_resume_is_bitwise_exact(tmp_path, shapes_dir):
+    base = tmp_path / "base.safetensors"
+    checkpoint.save_safetensors(build(DEMO, None, overrides=(SHAPE,)).state_dict(), base)
+    extra = (f"model.params.lora={LORA}", f"model.params.ckpt_path={base}")
+    resumed = assert_resume_is_exact(tmp_path, shapes_dir, AT_EPOCH_END, *extra)
+    (straight,) = (tmp_path / "straight").iterdir()
+
+    got, saved = adapters(resumed)
+    expected, _ = adapters(straight)
+    assert got.keys() == expected.keys()
+    assert {k.split(".")[-2] for k in got} == {"lora_A", "lora_B", "lora_magnitude_vector"}
+    assert any(k.startswith("lora.cond_stage_model.") for k in got)
+    differ = [k for k in expected if not torch.equal(got[k], expected[k])]
+    assert not differ, f"{len(differ)} of {len(expected)} adapter tensors differ, e.g. {differ[:3]}"
+    # The adapters trained (B left its zero start everywhere), and only they are optimized.
+    ups = [v for k, v in got.items() if k.endswith("lora_B.weight")]
+    assert all(v.abs().max() > 0 for v in ups)
+    assert len(saved["optimizer_states"][0]["state"]) == len(got)
