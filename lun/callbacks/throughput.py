@@ -3,9 +3,9 @@
 MFU (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", appendix B) is the FLOP/s the
 training step achieves divided by what the devices could do at peak. The FLOPs are counted, not
 estimated: the first micro-batch of each input shape (aspect buckets give several) runs under
-`torch.utils.flop_counter.FlopCounterMode`, which counts every matmul, convolution and attention
-of its forward and backward pass - the backbone, and also the VAE encode and text encoder when
-they run in the step. (With gradient checkpointing the recomputed forward is counted too, so the
+`FlopCounter`, which counts every matmul, convolution and attention of its forward and backward
+pass with the formulas of `torch.utils.flop_counter` - the backbone, and also the VAE encode and
+text encoder when they run in the step. (With gradient checkpointing the recomputed forward is counted too, so the
 figure is then hardware FLOPs utilisation.) The peak comes from the vendor datasheets below, or,
 on a CPU or an unknown device, from a matmul probe timed once per process.
 """
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from lun.callbacks.progress import batch_size_of, peak_memory_bytes
 
@@ -121,6 +122,26 @@ def device_peak_flops(device: torch.device, dtype: str) -> tuple[float, str]:
             return peak, f"{name}, {dtype}, datasheet"
     measured = measured_matmul_flops(device, DTYPES.get(dtype, torch.float32))
     return measured, f"{device.type}, {dtype}, measured matmul"
+
+
+class FlopCounter(TorchDispatchMode):
+    """FLOPs of the ops run under it, by `torch.utils.flop_counter`'s formulas (those of
+    `FlopCounterMode`, which gives the same totals). Every op runs exactly as called:
+    FlopCounterMode decomposes the ops it has no formula for (`silu_backward`, ...) into others,
+    which changes the step's rounding - and a resumed run, whose first step is counted, would
+    no longer be bitwise the same as an unbroken one."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
 
 
 def process_peak_rss() -> int:
@@ -231,7 +252,7 @@ class Throughput(Callback):
         self.windows: list[Figures] = []
         self.latest: Figures | None = None
         self.run_peak_memory = 0
-        self._counter: FlopCounterMode | None = None
+        self._counter: FlopCounter | None = None
         self._counted_flops = 0.0
         self._start_step = 0
         self.memory_kind = ""
@@ -260,7 +281,7 @@ class Throughput(Callback):
         self._key = shape_key(batch)
         if self._key not in self.flops_per_image:
             # This micro-batch's forward and backward are counted (and left out of the timing).
-            self._counter = FlopCounterMode(display=False)
+            self._counter = FlopCounter()
             self._counter.__enter__()
         self._start = time.perf_counter()
 
@@ -310,7 +331,7 @@ class Throughput(Callback):
     def _stop_counting(self) -> None:
         if self._counter is not None:
             self._counter.__exit__(None, None, None)
-            self._counted_flops = float(self._counter.get_total_flops())
+            self._counted_flops = float(self._counter.flops)
             self._counter = None
 
     def _figures(self, trainer, pl_module, tally: Tally, warmup: bool) -> Figures | None:

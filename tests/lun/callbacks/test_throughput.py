@@ -21,6 +21,7 @@ from ldm.util import instantiate_from_config
 from lun.callbacks.epoch_stats import EpochStats
 from lun.callbacks.progress import SmoothedProgressBar
 from lun.callbacks.throughput import (
+    FlopCounter,
     Throughput,
     measured_matmul_flops,
     table_peak_flops,
@@ -64,6 +65,28 @@ def test_flops_per_image_of_a_linear_model_are_the_hand_count(fit):
     forward = 2 * 16 * 32 + 2 * 32 * 8
     backward = 2 * 16 * 32 + 2 * (2 * 32 * 8)
     assert throughput.flops_per_image == {(("x", (16,)), ("y", (8,))): forward + backward}
+
+
+def test_the_counted_step_computes_bit_for_bit_what_an_uncounted_one_does():
+    """A resumed run counts its first step again: counting must not change a single bit.
+    (FlopCounterMode would: it decomposes silu_backward, and here rounds differently.)"""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    w = torch.randn(256, 256, generator=g, requires_grad=True)
+
+    def gradient(mode) -> torch.Tensor:
+        w.grad = None
+        with mode:
+            F.silu(x @ w).square().sum().backward()
+        return w.grad
+
+    plain = gradient(torch.enable_grad())
+    counter = FlopCounter()
+    assert torch.equal(gradient(counter), plain)
+    with FlopCounterMode(display=False) as reference:
+        gradient(torch.enable_grad())
+    # The forward matmul and the weight gradient (x needs none).
+    assert counter.flops == reference.get_total_flops() == 2 * (2 * 64 * 256 * 256)
 
 
 def tiny_ldm_config() -> dict:
