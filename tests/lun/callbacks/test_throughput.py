@@ -137,6 +137,7 @@ def test_flops_of_the_tiny_ldm_step_are_its_parts_counted_alone(fit):
     assert per_image * 2 == vae + text + unet
 
 
+@pytest.mark.slow
 def test_flops_of_a_tiny_dit_are_its_forward_and_backward(fit):
     from ldm.dit import DiT
 
