@@ -31,6 +31,7 @@ EMA and the image logger are opt-in. In a config:
           params:
             every_n_train_steps: 5000  # its file is then `every-5k-steps.ckpt`
         metrics_over_trainsteps_checkpoint: null   # keep no periodic checkpoints
+        throughput: null                           # no img/s, MFU, data-wait figures
 """
 
 import os
@@ -43,6 +44,7 @@ ROLE_TARGETS = {
     "nan_guard": "lun.callbacks.nan_guard.NaNGuard",
     "ema": "lun.callbacks.ema.EMA",
     "rng_state": "lun.callbacks.rng_state.RNGState",
+    "throughput": "lun.callbacks.throughput.Throughput",
 }
 
 
@@ -51,6 +53,8 @@ def default_callback_configs(
 ) -> dict[str, dict]:
     """Default callbacks of a run whose files live in `run_dir` (`logs/<run>`).
 
+    - `throughput`: images/s, MFU, data-wait fraction and peak memory (progress bar, TensorBoard,
+      epoch line) and a throughput report at the end; first, so the others show this step's.
     - `progress_bar`: smoothed loss, it/s, images/s, ETA, LR, peak memory.
     - `modelcheckpoint`: every 2000 steps into `every-2k-steps.ckpt`, overwritten each time, with
       `last.ckpt` a link to it; also written when training ends.
@@ -64,6 +68,7 @@ def default_callback_configs(
     """
     checkpoints = os.path.join(run_dir, "checkpoints")
     configs = {
+        "throughput": {"target": ROLE_TARGETS["throughput"], "params": {}},
         "progress_bar": {
             "target": ROLE_TARGETS["progress_bar"],
             "params": {"log_every_n_steps": 50},

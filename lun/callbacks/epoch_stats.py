@@ -6,6 +6,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lun.callbacks.progress import batch_size_of, peak_memory_bytes, reset_peak_memory
+from lun.callbacks.throughput import Throughput
 
 
 class EpochStats(Callback):
@@ -13,7 +14,8 @@ class EpochStats(Callback):
 
     Over ranks, the slowest rank's time and throughput and the fullest rank's memory are
     logged, logged at each training epoch end and printed as one line. Peak memory is reset at
-    each epoch start, so the progress bar's "peak mem" is the peak of the current epoch.
+    each epoch start, so the progress bar's "peak mem" is the peak of the current epoch. With
+    the `Throughput` callback the line also says the epoch's MFU and data-wait fraction.
     """
 
     def __init__(self):
@@ -42,7 +44,12 @@ class EpochStats(Callback):
                 name, value, on_step=False, on_epoch=True, sync_dist=True, reduce_fx=slowest
             )
         memory = f", peak memory {stats['epoch/peak_memory_gb']:.2f} GB" if peak is not None else ""
+        throughput = ""
+        for callback in trainer.callbacks:
+            if isinstance(callback, Throughput):  # a collective: every rank gets here
+                figures = callback.epoch_figures(trainer, pl_module)
+                throughput = ", " + callback.summary(figures) if figures is not None else ""
         rank_zero_info(
             f"epoch {trainer.current_epoch}: {seconds:.1f} s, "
-            f"{stats['epoch/images_per_s']:.1f} images/s{memory}"
+            f"{stats['epoch/images_per_s']:.1f} images/s{memory}{throughput}"
         )

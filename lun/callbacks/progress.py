@@ -91,8 +91,9 @@ class SmoothedProgressBar(ProgressBar):
     """Progress for long training runs (replaces Lightning's tqdm bar).
 
     Shows: step / total, epoch, smoothed loss, optimizer steps per second, images per second
-    across all devices, ETA, learning rate, peak accelerator memory (when there is one), and the
-    values a module logs with `prog_bar=True`. Rank 0 only.
+    across all devices (with the `Throughput` callback its figures, MFU and data wait), ETA,
+    learning rate, peak accelerator memory (when there is one), and the values a module logs
+    with `prog_bar=True`. Rank 0 only.
 
     Args:
         log_every_n_steps: in non-interactive runs, one line every this many optimizer steps.
@@ -199,9 +200,16 @@ class SmoothedProgressBar(ProgressBar):
         if self.loss.value is not None:
             parts.append(f"loss {self.loss.value:.4f}")
         seconds = self.step_seconds.value
+        throughput = self._throughput_figures(trainer)
         if seconds:
             parts.append(f"{1 / seconds:.2f} it/s")
-            parts.append(f"{self.images_per_step / seconds:.1f} img/s")
+            if throughput is None:
+                parts.append(f"{self.images_per_step / seconds:.1f} img/s")
+        if throughput is not None:  # all ranks' images, MFU, data wait, of the latest window
+            parts.append(f"{throughput.images_per_s:.1f} img/s")
+            parts.append(f"mfu {100 * throughput.mfu:.1f}%")
+            parts.append(f"wait {100 * throughput.data_wait:.0f}%")
+        if seconds:
             parts.append(f"eta {format_duration((total - step) * seconds)}")
         if trainer.optimizers:
             parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.3g}")
@@ -213,6 +221,15 @@ class SmoothedProgressBar(ProgressBar):
                 continue
             parts.append(f"{name} {value:.4g}" if isinstance(value, float) else f"{name} {value}")
         return " | ".join(parts)
+
+    @staticmethod
+    def _throughput_figures(trainer):
+        from lun.callbacks.throughput import Throughput  # it imports this module
+
+        for callback in trainer.callbacks:
+            if isinstance(callback, Throughput):
+                return callback.latest
+        return None
 
     def _show(self, trainer, pl_module) -> None:
         if not self._enabled:
