@@ -426,8 +426,12 @@ class LatentDiffusion(pl.LightningModule):
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
+        # A learned-variance sampler (ddpm_learned) reads the variance half too.
+        learned = getattr(sampling.SAMPLER_SPECS.get(sampler), "learned_variance", False)
+        if learned and not self.learn_sigma:
+            raise ValueError(f"sampler {sampler!r} needs a model with learn_sigma: true")
         latents = sampling.sample(
-            self.predict,
+            self.apply_model if learned else self.predict,
             noise,
             self.alphas_cumprod,
             sampler=sampler,

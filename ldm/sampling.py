@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ldm.sampling_learned import sample_ddpm_learned
+
 PARAMETERIZATIONS = ("eps", "v")
 TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 
@@ -140,7 +142,10 @@ class Denoiser:
 
 
 def classifier_free_guidance(
-    model_fn: Callable[..., torch.Tensor], uncond: Mapping[str, torch.Tensor], scale: float
+    model_fn: Callable[..., torch.Tensor],
+    uncond: Mapping[str, torch.Tensor],
+    scale: float,
+    channels: int | None = None,
 ) -> Callable[..., torch.Tensor]:
     """Classifier-free guidance (Ho & Salimans 2022, arXiv:2207.12598 eq. 6) around model_fn.
 
@@ -149,6 +154,8 @@ def classifier_free_guidance(
     `uncond` (batch 1 or B: the empty caption's context, the null class, a negative prompt)
     replaces the same field of `cond`; a field `uncond` lacks (e.g. SDXL's size vector) is the
     same on both sides. Guiding the raw output (eps or v) equals guiding x_0, which is affine in it.
+    `channels`: guide only the first channels (eps or v of a learned-variance output); the rest,
+    the variance, is the conditional side's (as DiT's `forward_with_cfg` + `sample.py`).
     """
 
     def guided(x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -157,7 +164,10 @@ def classifier_free_guidance(
             other = uncond.get(field, value)
             both[field] = torch.cat([other.expand_as(value), value])
         out_uncond, out_cond = model_fn(torch.cat([x, x]), torch.cat([t, t]), both).chunk(2)
-        return out_uncond + scale * (out_cond - out_uncond)
+        out = out_uncond + scale * (out_cond - out_uncond)
+        return (
+            out if channels is None else torch.cat([out[:, :channels], out_cond[:, channels:]], 1)
+        )
 
     return guided
 
@@ -413,6 +423,7 @@ class SamplerSpec:
     spacing: str
     options: tuple[str, ...] = ()
     dpm_solver: bool = False
+    learned_variance: bool = False  # the network's output carries v (ldm.sampling_learned)
 
 
 SAMPLER_SPECS = {
@@ -422,6 +433,10 @@ SAMPLER_SPECS = {
     "euler_a": SamplerSpec(sample_euler_ancestral, "sigma", "linspace", ("generator",)),
     "heun": SamplerSpec(sample_heun, "sigma", "linspace"),
     "dpmpp_2m": SamplerSpec(sample_dpmpp_2m, "sigma", "linspace", dpm_solver=True),
+    # DiT's sample.py: guided-diffusion's linspace-like respacing, learned variances.
+    "ddpm_learned": SamplerSpec(
+        sample_ddpm_learned, "timestep", "linspace", ("generator",), learned_variance=True
+    ),
 }
 SAMPLERS = tuple(SAMPLER_SPECS)
 
@@ -498,13 +513,15 @@ def sample(
     """Sample latents x_0 (B, C, H, W) from a DDPM-trained network.
 
     Args:
-        model_fn: network(x_t, t, cond) -> raw output (eps or v) shaped like x_t; t is a (B,)
+        model_fn: network(x_t, t, cond) -> raw output (eps or v) shaped like x_t (for
+            "ddpm_learned": then the variance v, 2C channels); t is a (B,)
             tensor of training steps in [0, T-1] - int64 for ddim/plms, float32 (fractional
             between training steps) for the sigma-space samplers.
         noise: (B, C, H, W) standard normal noise; the start of txt2img, the noise added to
             init_latent for img2img.
         alphas_cumprod: (T,) abar of the training schedule (the model's buffer).
-        sampler: one of SAMPLERS: "ddim", "plms", "euler", "euler_a", "heun", "dpmpp_2m".
+        sampler: one of SAMPLERS: "ddim", "plms", "euler", "euler_a", "heun", "dpmpp_2m",
+            "ddpm_learned" (learned variances, ldm.sampling_learned).
         steps: number of sampling steps (plms and heun make extra model calls).
         cond: the conditioning fields, e.g. {"crossattn": (B, L, D)} or {"y": (B,)}.
         uncond: the unconditional side of classifier-free guidance, field by field (batch 1 or
@@ -513,7 +530,7 @@ def sample(
         parameterization: "eps" or "v", what the network predicts.
         eta: DDIM noise (0 deterministic, 1 DDPM-like); ddim only.
         karras: Karras et al. noise levels for the sigma-space samplers.
-        generator: torch.Generator for every random draw (euler_a, ddim with eta > 0).
+        generator: torch.Generator for every random draw (euler_a, ddpm_learned, ddim with eta > 0).
         init_latent: (B, C, H, W) latent to start from for img2img (SDEdit, Meng et al. 2022,
             arXiv:2108.01073).
         strength: img2img strength: noise init_latent to the level of the last
@@ -528,7 +545,8 @@ def sample(
     spec = SAMPLER_SPECS[sampler]
     guided = model_fn
     if uncond is not None and scale != 1.0:
-        guided = classifier_free_guidance(model_fn, uncond, scale)
+        channels = noise.shape[1] if spec.learned_variance else None
+        guided = classifier_free_guidance(model_fn, uncond, scale, channels)
 
     def network(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         return guided(x, t, cond)

@@ -32,6 +32,7 @@ SAMPLER_NAMES = {
     "euler_a": "Euler a",
     "heun": "Heun",
     "dpmpp_2m": "DPM++ 2M",
+    "ddpm_learned": "DDPM",  # learned variances (DiT learn_sigma models)
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,7 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   50-step DDIM, our sampler vs diffusers' StableDiffusionPipeline on the same converted weights.
 - data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 1024 px JPEG -> 512).
 - dit: one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4 latents = 256 px images, 1000
-  classes, learned sigma) against diffusers' DiTTransformer2DModel holding the same weights
+  classes, learned sigma; on a CPU DiT-B/2 at batch 2, 16x16x4, see DIT_ROWS) against diffusers' DiTTransformer2DModel holding the same weights
   (ldm.checkpoint.dit_to_diffusers), both with the same fused AdamW, taking turns; fp32, and
   bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per image
   (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4) and
@@ -356,14 +356,20 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def build_dits(preset: str, device):
+# DiT rows: (preset, batch, latent side). DiT-B/2 does 4x DiT-S/2's work per token; on a CPU
+# it runs at batch 2 on 16x16 latents (64 tokens, 128 px images) so the section ends in minutes.
+DIT_ROWS = {"cuda": [("DiT_S_2", 4, 32), ("DiT_B_2", 4, 32)]}
+DIT_ROWS["cpu"] = [("DiT_S_2", 4, 32), ("DiT_B_2", 2, 16)]
+
+
+def build_dits(preset: str, device, latent: int = LATENT):
     """Our DiT preset and diffusers' DiTTransformer2DModel of the same size and weights."""
     from diffusers import DiTTransformer2DModel
 
     from ldm import dit
 
     torch.manual_seed(0)
-    ours = getattr(dit, preset)(input_size=LATENT, num_classes=1000)
+    ours = getattr(dit, preset)(input_size=latent, num_classes=1000)
     width, heads = ours.pos_embed.shape[-1], ours.blocks[0].attn.num_heads
     theirs = DiTTransformer2DModel(
         num_attention_heads=heads,
@@ -371,7 +377,7 @@ def build_dits(preset: str, device):
         in_channels=4,
         out_channels=8,
         num_layers=len(ours.blocks),
-        sample_size=LATENT,
+        sample_size=latent,
         patch_size=ours.patch_size,
         num_embeds_ada_norm=1000,
         norm_eps=1e-6,
@@ -390,21 +396,21 @@ def dit_train_step(run, model, optimizer, target, dtype) -> None:
 
 def dit_section(args, device) -> list[str]:
     rows = [
-        "| DiT train step (batch 4, 32x32x4) | dtype | img/s | vs diffusers | fwd GFLOP/img | TFLOP/s | of matmul peak |",
-        "|---|---|---|---|---|---|---|",
+        "| DiT train step | batch, latent | dtype | img/s | vs diffusers | fwd GFLOP/img | TFLOP/s | of matmul peak |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g).to(device)
-    t = torch.randint(0, 1000, (BATCH,), generator=g).to(device)
-    y = torch.randint(0, 1000, (BATCH,), generator=g).to(device)
-    target = torch.randn(BATCH, 8, LATENT, LATENT, generator=g).to(device)
-    runs = {
-        "ours": lambda m: m(x, t, {"y": y}),
-        "diffusers": lambda m: m(x, timestep=t, class_labels=y).sample,
-    }
     dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
-    for preset in ("DiT_S_2", "DiT_B_2"):
-        models = dict(zip(("ours", "diffusers"), build_dits(preset, device)))
+    for preset, batch, latent in DIT_ROWS.get(device.type, DIT_ROWS["cuda"]):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(batch, 4, latent, latent, generator=g).to(device)
+        t = torch.randint(0, 1000, (batch,), generator=g).to(device)
+        y = torch.randint(0, 1000, (batch,), generator=g).to(device)
+        target = torch.randn(batch, 8, latent, latent, generator=g).to(device)
+        runs = {
+            "ours": lambda m, x=x, t=t, y=y: m(x, t, {"y": y}),
+            "diffusers": lambda m, x=x, t=t, y=y: m(x, timestep=t, class_labels=y).sample,
+        }
+        models = dict(zip(("ours", "diffusers"), build_dits(preset, device, latent)))
         flops, forward_flops = {}, {}
         for label, model in models.items():
             with FlopCounterMode(display=False) as counter:
@@ -421,8 +427,8 @@ def dit_section(args, device) -> list[str]:
         for name in dtypes:
             dtype, peak = DTYPES[name], matmul_peak(device, DTYPES[name])
             steps = {
-                label: lambda r=runs[label], m=models[label], o=optimizers[label], d=dtype: (
-                    dit_train_step(r, m, o, target, d)
+                label: lambda r=runs[label], m=models[label], o=optimizers[label], d=dtype, y=target: (
+                    dit_train_step(r, m, o, y, d)
                 )
                 for label in ("diffusers", "ours")
             }
@@ -430,9 +436,10 @@ def dit_section(args, device) -> list[str]:
             for label in ("diffusers", "ours"):
                 achieved = flops[label] / results[label]
                 rows.append(
-                    f"| {preset.replace('_', '-', 1).replace('_', '/')} {label} | {name} | "
-                    f"{BATCH / results[label]:.2f} | {results['diffusers'] / results[label]:.2f}x | "
-                    f"{forward_flops[label] / BATCH / 1e9:.1f} | {achieved / 1e12:.3f} | "
+                    f"| {preset.replace('_', '-', 1).replace('_', '/')} {label} | "
+                    f"{batch}, {latent}x{latent}x4 | {name} | "
+                    f"{batch / results[label]:.2f} | {results['diffusers'] / results[label]:.2f}x | "
+                    f"{forward_flops[label] / batch / 1e9:.1f} | {achieved / 1e12:.3f} | "
                     f"{achieved / peak:.0%} |"
                 )
                 print(rows[-1], flush=True)

@@ -109,6 +109,12 @@ def test_a_released_format_dit_file_samples_through_txt2img(tmp_path):
     args = ["--config", str(tmp_path / "dit.yaml"), "--ckpt", str(tmp_path / "DiT-tiny.pt")]
     txt2img.main([*args, "--class", "2", "--steps", "2", "--outdir", str(tmp_path / "out")])
     assert len(list((tmp_path / "out" / "samples").glob("*.png"))) == 1
+    # The released model learns its variances (learn_sigma): DiT's own sampler uses them.
+    learned = [*args, "--class", "2", "--steps", "2", "--sampler", "ddpm_learned", "--scale", "4"]
+    txt2img.main([*learned, "--outdir", str(tmp_path / "learned")])
+    (png,) = (tmp_path / "learned" / "samples").glob("*.png")
+    with Image.open(png) as image:
+        assert "Sampler: DDPM," in image.text["parameters"]
 
 
 @pytest.mark.slow
