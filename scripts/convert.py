@@ -251,6 +251,9 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
         use_karras_sigmas=False,
         prediction_type="v_prediction" if model.parameterization == "v" else "epsilon",
     )
+    # DDIM's settings, which sd_xl_base_1.0's Euler config carries too: a user's
+    # `DDIMScheduler.from_config(pipe.scheduler.config)` then samples as our DDIM does.
+    scheduler.register_to_config(clip_sample=False, set_alpha_to_one=False)
     pipeline = StableDiffusionXLPipeline(
         vae=diffusers_vae(state, sgm, model.scale_factor),
         text_encoder=text_encoder,
