@@ -111,3 +111,25 @@ def test_diffusers_sdxl_pipeline_draws_our_txt2img_image(tmp_path, exported):
     # The SD export test's tolerance (2e-3 of the range), plus the PNG's rounding to 1/255.
     np.testing.assert_allclose(ours, theirs, atol=2e-3 + 0.5 / 255, rtol=0)
     assert ours.std() > 0.05  # an image, not a flat field
+
+
+def test_a_conditioner_the_pipeline_cannot_compute_is_one_line_and_exit_2(
+    tmp_path, exported, capsys
+):
+    """CLIP at another layer than the pipeline's `hidden_states[-2]`: refused, no folder."""
+    _, ckpt, _, _ = exported
+    config = tiny_sdxl_config()
+    config["model"]["params"]["conditioner_config"]["params"]["emb_models"][0]["params"][
+        "layer_idx"
+    ] = 0
+    OmegaConf.save(config, tmp_path / "layer0.yaml")
+    out = tmp_path / "pipeline"
+    with pytest.raises(SystemExit) as stop:
+        convert.main(
+            [str(ckpt), "--config", str(tmp_path / "layer0.yaml"), "--to-diffusers", str(out)]
+        )
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert "penultimate layer" in err.strip().splitlines()[-1] and "layer_idx: 1" in err
+    assert not out.exists()
