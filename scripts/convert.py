@@ -2,7 +2,7 @@
 
     # original-layout .safetensors (ComfyUI, AUTOMATIC1111, diffusers from_single_file)
     python scripts/convert.py logs/<run>/checkpoints/last.ckpt model.safetensors --ema --half
-    # a diffusers pipeline folder (needs `pip install diffusers`)
+    # a diffusers pipeline folder (needs `pip install diffusers`): SD 1.x / 2.x, or SDXL
     python scripts/convert.py logs/<run>/checkpoints/last.ckpt --to-diffusers out/pipeline
 
 The checkpoint may be a file or the folder that DeepSpeed (any ZeRO stage) or sharded FSDP write:
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ldm import checkpoint, diffusers_layout
+from ldm.conditioning_xl import CAPTION_KEY, SIZE_KEYS
 from ldm.diffusers_layout import is_diffusers_folder
 from ldm.schedule import SCHEDULE_BUFFER_NAMES, schedule_betas
 from ldm.util import instantiate_from_config, latent_diffusion_params
@@ -114,16 +115,12 @@ def _torch_save(obj, path: Path) -> None:
 
 
 def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
-    """Write a `StableDiffusionPipeline` folder with diffusers' own converters.
+    """Write a `StableDiffusionPipeline` (SDXL: `StableDiffusionXLPipeline`) folder with
+    diffusers' own converters.
 
     `original`: the model's config as a dict (`{"model": {"target", "params"}}`)."""
     try:
-        from diffusers import (
-            AutoencoderKL,
-            DDIMScheduler,
-            StableDiffusionPipeline,
-            UNet2DConditionModel,
-        )
+        from diffusers import DDIMScheduler, StableDiffusionPipeline
         from diffusers.loaders import single_file_utils as sfu
     except ImportError:
         raise ImportError("--to-diffusers needs diffusers: pip install diffusers") from None
@@ -132,23 +129,24 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
     encoder = model.conditioner
+    if hasattr(encoder, "embedders"):  # sgm's GeneralConditioner: SDXL
+        return export_sdxl(state, original, model, out_dir)
     if not hasattr(encoder, "transformer") and not hasattr(encoder, "encode_with_transformer"):
-        raise ValueError("--to-diffusers supports the SD 1.x and 2.x text encoders")
+        raise ValueError("--to-diffusers supports the SD 1.x, 2.x and SDXL text encoders")
 
-    unet_config = sfu.create_unet_diffusers_config_from_ldm(original, state)
-    unet = UNet2DConditionModel(**unet_config)
-    unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(state, unet_config))
-    vae_config = sfu.create_vae_diffusers_config_from_ldm(
-        original, state, scaling_factor=model.scale_factor
-    )
-    vae = AutoencoderKL(**vae_config)
-    vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, vae_config))
+    unet = diffusers_unet(state, original)
+    vae = diffusers_vae(state, original, model.scale_factor)
     if hasattr(encoder, "transformer"):  # SD 1.x: OpenAI CLIP
         text_encoder = CLIPTextModel(encoder.transformer.config)
         clip_state = sfu.convert_ldm_clip_checkpoint(state)
         tokenizer = encoder.tokenizer
     else:  # SD 2.x: the OpenCLIP tower as transformers' CLIP, as diffusers' SD 2 folders hold it
-        text_encoder, clip_state = open_clip_as_transformers(encoder, state, sfu)
+        # Like diffusers' SD 2 folders it stops where the conditioning is taken (the
+        # penultimate block): its `last_hidden_state` is SD 2's context.
+        tower = encoder.model
+        blocks = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
+        (prefix,) = diffusers_layout.TEXT_PREFIXES["sd2"]  # cond_stage_model.model.
+        text_encoder, clip_state = open_clip_as_transformers(tower, state, sfu, prefix, blocks)
         tokenizer = copy.deepcopy(encoder.tokenizer)
         tokenizer.pad_token = "!"  # id 0: open_clip pads with zeros (diffusers' SD 2 tokenizer)
     text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
@@ -174,6 +172,131 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     pipeline.save_pretrained(out_dir, safe_serialization=True)
 
 
+def diffusers_unet(state: dict, original: dict):
+    """The UNet as diffusers' `UNet2DConditionModel`, config and weights by its converters."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.loaders import single_file_utils as sfu
+
+    config = sfu.create_unet_diffusers_config_from_ldm(original, state)
+    if _is_sdxl(original):
+        # diffusers tells SDXL by its context width (2048 or 1280) and fixes the size features
+        # at 256 channels; ours come from the model's config, so reduced widths export too.
+        size_dim = _sdxl_size_embedders(original)[0]["params"].get("outdim", 256)
+        config.update(class_embed_type=None, addition_embed_type="text_time")
+        config.update(addition_time_embed_dim=size_dim)
+    unet = UNet2DConditionModel(**config)
+    unet.load_state_dict(sfu.convert_ldm_unet_checkpoint(state, config))
+    return unet
+
+
+def diffusers_vae(state: dict, original: dict, scale_factor: float):
+    from diffusers import AutoencoderKL
+    from diffusers.loaders import single_file_utils as sfu
+
+    config = sfu.create_vae_diffusers_config_from_ldm(original, state, scaling_factor=scale_factor)
+    vae = AutoencoderKL(**config)
+    vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, config))
+    return vae
+
+
+def _is_sdxl(original: dict) -> bool:
+    return "conditioner_config" in original["model"]["params"]
+
+
+def _sdxl_size_embedders(original: dict) -> list:
+    embedders = original["model"]["params"]["conditioner_config"]["params"]["emb_models"]
+    return [e for e in embedders if e["target"].endswith("ConcatTimestepEmbedderND")]
+
+
+def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
+    """Write a `StableDiffusionXLPipeline` folder: `text_encoder` (CLIP ViT-L, a `CLIPTextModel`),
+    `text_encoder_2` (the OpenCLIP tower as a `CLIPTextModelWithProjection`, all its blocks: the
+    pipeline takes `hidden_states[-2]` of both and the projected pooled output of the second),
+    their tokenizers, `EulerDiscreteScheduler` as SDXL base 1.0's `model_index.json` has it.
+    Not stored (diffusers has no place for it): the OpenCLIP `logit_scale`, used by CLIP's
+    contrastive loss only."""
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import CLIPTextModel
+
+    from ldm.util import PARAM_TRANSLATIONS
+
+    check_sdxl_exportable(model, original)
+    params = original["model"]["params"]
+    if "network_config" not in params:  # our own names: diffusers' converters read sgm's
+        params = {**params, "network_config": params["backbone_config"]}
+    sgm = {"model": {**original["model"], "params": params}}
+    clip, open_clip = model.conditioner.embedders[:2]
+    text_encoder = CLIPTextModel(clip.transformer.config)
+    clip_state = sfu.convert_ldm_clip_checkpoint(state)
+    text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
+    prefix = diffusers_layout.TEXT_PREFIXES["sdxl"][1]  # conditioner.embedders.1.model.
+    tower = open_clip.model
+    blocks = len(tower.transformer.resblocks)
+    text_encoder_2, clip_state = open_clip_as_transformers(
+        tower, state, sfu, prefix, blocks, projection=True
+    )
+    text_encoder_2.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder_2))
+    tokenizer_2 = copy.deepcopy(open_clip.tokenizer)
+    tokenizer_2.pad_token = "!"  # id 0: open_clip pads with zeros (diffusers' SDXL tokenizer_2)
+
+    translate = PARAM_TRANSLATIONS.get(original["model"]["target"])
+    schedule = diffusers_schedule(translate(params) if translate else params)
+    scheduler = EulerDiscreteScheduler(  # sd_xl_base_1.0's scheduler_config.json
+        **schedule,
+        num_train_timesteps=model.num_timesteps,
+        steps_offset=1,
+        timestep_spacing="leading",
+        interpolation_type="linear",
+        use_karras_sigmas=False,
+        prediction_type="v_prediction" if model.parameterization == "v" else "epsilon",
+    )
+    # DDIM's settings, which sd_xl_base_1.0's Euler config carries too: a user's
+    # `DDIMScheduler.from_config(pipe.scheduler.config)` then samples as our DDIM does.
+    scheduler.register_to_config(clip_sample=False, set_alpha_to_one=False)
+    pipeline = StableDiffusionXLPipeline(
+        vae=diffusers_vae(state, sgm, model.scale_factor),
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=clip.tokenizer,
+        tokenizer_2=tokenizer_2,
+        unet=diffusers_unet(state, sgm),
+        scheduler=scheduler,
+        force_zeros_for_empty_prompt=True,  # as our txt2img: no negative prompt -> zeros
+        add_watermarker=False,  # our images carry none
+    )
+    pipeline.save_pretrained(out_dir, safe_serialization=True)
+
+
+def check_sdxl_exportable(model, original: dict) -> None:
+    """What `StableDiffusionXLPipeline` computes must be what the model computes: CLIP's and
+    OpenCLIP's penultimate layers, OpenCLIP's pooled output, then original size, crop and target
+    size (each Fourier-embedded at the same width)."""
+    embedders = model.conditioner.embedders
+    keys = [e.input_key for e in embedders]
+    want = [CAPTION_KEY, CAPTION_KEY, *SIZE_KEYS]
+    if keys != want:
+        raise ValueError(
+            f"--to-diffusers: SDXL conditioner inputs {keys}, the pipeline's are {want}"
+        )
+    clip, open_clip = embedders[:2]
+    layers = clip.transformer.config.num_hidden_layers
+    if clip.layer != "hidden" or clip.layer_idx != layers - 1:
+        raise ValueError(
+            "--to-diffusers: StableDiffusionXLPipeline takes CLIP's penultimate layer (layer: "
+            f"hidden, layer_idx: {layers - 1}); this model has layer {clip.layer} "
+            f"{clip.layer_idx}"
+        )
+    if open_clip.layer != "penultimate" or open_clip.legacy or not open_clip.always_return_pooled:
+        raise ValueError(
+            "--to-diffusers: the second text encoder must be sgm's SDXL one (layer: penultimate, "
+            "legacy: false, always_return_pooled: true)"
+        )
+    dims = {e["params"].get("outdim", 256) for e in _sdxl_size_embedders(original)}
+    if len(dims) != 1:
+        raise ValueError(f"--to-diffusers: the size embedders' outdim differ ({sorted(dims)})")
+
+
 def diffusers_schedule(params: dict) -> dict:
     """The model's schedule settings in diffusers' words. The config's values, not the float32
     `betas` buffer's ends, so that a folder read back rebuilds the same buffers bit for bit."""
@@ -194,15 +317,13 @@ def diffusers_schedule(params: dict) -> dict:
     }
 
 
-def open_clip_as_transformers(encoder, state: dict, sfu):
-    """The OpenCLIP tower (`cond_stage_model.model.*`) as a transformers `CLIPTextModel`, by
-    diffusers' `convert_open_clip_checkpoint`. Like diffusers' SD 2 folders it stops where the
-    conditioning is taken (the penultimate block): its `last_hidden_state` is SD 2's context.
-    The blocks after it, `text_projection` and `logit_scale` have no place in that model."""
-    from transformers import CLIPTextConfig, CLIPTextModel
+def open_clip_as_transformers(tower, state: dict, sfu, prefix: str, blocks: int, projection=False):
+    """The OpenCLIP tower (`<prefix>*`, its first `blocks` blocks) as a transformers
+    `CLIPTextModel` (`projection`: `CLIPTextModelWithProjection`), by diffusers'
+    `convert_open_clip_checkpoint`. The blocks after `blocks`, `logit_scale` (and without
+    `projection`, `text_projection`) have no place in that model."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    tower = encoder.model
-    blocks = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
     width = tower.ln_final.normalized_shape[0]
     config = CLIPTextConfig(
         vocab_size=tower.token_embedding.num_embeddings,
@@ -215,15 +336,15 @@ def open_clip_as_transformers(encoder, state: dict, sfu):
         layer_norm_eps=1e-5,
         projection_dim=tower.text_projection.shape[1],
         bos_token_id=49406,
-        eos_token_id=49407,
+        eos_token_id=49407,  # pooled at the first <eot>: open_clip pads with 0 after it
         pad_token_id=0,
     )
-    (prefix,) = diffusers_layout.TEXT_PREFIXES["sd2"]  # cond_stage_model.model.
     unused = tuple(f"{prefix}transformer.resblocks.{i}." for i in range(blocks, 10_000))
     kept = {k: v for k, v in state.items() if k.startswith(prefix) and not k.startswith(unused)}
-    text_encoder = CLIPTextModel(config)
+    text_encoder = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
     converted = sfu.convert_open_clip_checkpoint(text_encoder, kept, prefix=prefix)
-    converted.pop("text_projection.weight", None)  # a CLIPTextModel has no projection
+    if not projection:
+        converted.pop("text_projection.weight", None)  # a CLIPTextModel has no projection
     return text_encoder, converted
 
 
