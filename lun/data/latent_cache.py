@@ -81,7 +81,9 @@ def module_fingerprint(module: torch.nn.Module) -> str:
         and name not in NOT_IN_FINGERPRINT
         and isinstance(value, str | int | float | bool | type(None))
     }
-    digest.update(json.dumps([kind.__module__, kind.__qualname__, settings], sort_keys=True).encode())
+    digest.update(
+        json.dumps([kind.__module__, kind.__qualname__, settings], sort_keys=True).encode()
+    )
     for name, tensor in sorted(module.state_dict().items()):
         tensor = tensor.detach().to("cpu").contiguous()
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())

@@ -255,7 +255,9 @@ def build_shards(
     bar.close()
     if mine:
         seconds = time.perf_counter() - start
-        logger.info("rank %d: %d images in %.1f s (%.2f img/s)", rank, images, seconds, images / seconds)
+        logger.info(
+            "rank %d: %d images in %.1f s (%.2f img/s)", rank, images, seconds, images / seconds
+        )
 
 
 def finish(plan: Plan) -> bool:
