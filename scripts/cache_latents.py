@@ -172,7 +172,8 @@ def main(argv=None) -> int:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     for name in ("ldm", "lun"):
-        logging.getLogger(name).addHandler(handler)
+        if not logging.getLogger(name).handlers:  # called again in one process (tests)
+            logging.getLogger(name).addHandler(handler)
         logging.getLogger(name).setLevel(logging.INFO)
     if opt.processes > 1 and "RANK" not in os.environ:
         return spawn(opt, argv)
