@@ -7,8 +7,8 @@ import sys
 import cache_latents
 import pytest
 import torch
-from safetensors.torch import load_file
 from run_helpers import ROOT
+from safetensors.torch import load_file
 
 
 def args(tiny_config, data_root, out, *extra) -> list[str]:

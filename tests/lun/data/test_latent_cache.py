@@ -10,7 +10,6 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 from PIL import Image
-from safetensors import safe_open
 
 from lun.config import merge_configs, to_container
 from lun.data import latent_cache_build
