@@ -109,8 +109,12 @@ def make_plan(
                 kept[key] = entries[key]
             else:
                 units.append(Unit("text", i, [key]))
-                changed = before is not None and previous["model"].get("text") == model["text"]
-                reasons["captions changed" if changed else "captions new"] += 1
+                if before is None:
+                    reasons["captions new"] += 1
+                elif previous["model"].get("text") != model["text"]:
+                    reasons["text encoder changed"] += 1
+                else:
+                    reasons["captions changed"] += 1
     # Same-size images next to each other: batches within a shard share a size.
     units.sort(key=lambda u: (u.kind, u.size or (0, 0), u.item))
     shards = []
