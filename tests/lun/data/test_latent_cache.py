@@ -146,6 +146,7 @@ def test_a_changed_image_or_caption_invalidates_exactly_its_entries(tiny_config,
     cached.check_model(model)
 
 
+@pytest.mark.slow
 def test_a_crashed_cache_run_resumes_to_the_same_cache(tiny_config, made, tmp_path, monkeypatch):
     """An exception after the first shard (the fault a kill leaves: whole shards on disk, no
     index); the rerun keeps that shard and writes what one clean run writes."""
