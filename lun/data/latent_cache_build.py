@@ -295,7 +295,10 @@ def finish(plan: Plan) -> bool:
     used = set(entries.values())
     removed = 0
     for stale in os.listdir(folder):
-        if stale.startswith(SHARD_PREFIX) and stale.endswith(SHARD_SUFFIX) and stale not in used:
+        # Shards no entry refers to any more, and what a killed writer left (`*.tmp`): every
+        # planned shard is on disk, so no rank is writing one now.
+        unused = stale.endswith(SHARD_SUFFIX) and stale not in used
+        if stale.startswith(SHARD_PREFIX) and (unused or stale.endswith(SHARD_SUFFIX + ".tmp")):
             try:
                 os.remove(os.path.join(folder, stale))
                 removed += 1

@@ -166,6 +166,7 @@ def test_a_crashed_cache_run_resumes_to_the_same_cache(tiny_config, made, tmp_pa
     assert not (crashed / "index.json").exists()
     first = crashed / calls[0].rsplit("/", 1)[-1]
     written = first.stat().st_mtime_ns
+    (crashed / (calls[1].rsplit("/", 1)[-1] + ".tmp")).write_bytes(b"half a shard")  # a kill's
     monkeypatch.setattr(latent_cache_build, "save_safetensors", save)
     assert make_cache(tiny_config, folder, crashed, *CACHE_ARGS) == 0
     assert first.stat().st_mtime_ns == written  # kept, not redone
