@@ -102,16 +102,33 @@ def step_section(args) -> list[str]:
         optimizer.zero_grad(set_to_none=True)
 
     steps = {label: (lambda b=batch: step(b)) for label, batch in runs.items()}
-    seconds = alternated_median_seconds(steps, torch.device("cpu"), args.steps, args.warmup)
+    if args.cpu_seconds:
+        seconds = cpu_seconds(steps, args.steps, args.warmup)
+    else:
+        seconds = alternated_median_seconds(steps, torch.device("cpu"), args.steps, args.warmup)
     rows = [
         f"| training step (UNet ch 128, SD VAE, CLIP-L size, batch {BATCH}, {args.image} px) "
-        "| s/step | img/s | vs online |",
+        f"| {'CPU s/step (1 thread)' if args.cpu_seconds else 's/step'} | img/s | vs online |",
         "|---|---|---|---|",
     ]
     for label, s in seconds.items():
         rows.append(f"| {label} | {s:.2f} | {BATCH / s:.2f} | {seconds['online'] / s:.2f}x |")
         print(rows[-1], flush=True)
     return rows + [""] + flop_rows(args.image)
+
+
+def cpu_seconds(steps: dict, repeats: int, warmup: int) -> dict:
+    """Median CPU seconds of each step on one thread, taking turns: on a machine shared with
+    other jobs the CPU time a step needs is steadier than its wall clock."""
+    torch.set_num_threads(1)
+    times = {label: [] for label in steps}
+    for repeat in range(warmup + repeats):
+        for label, step in steps.items():
+            start = time.process_time()
+            step()
+            if repeat >= warmup:
+                times[label].append(time.process_time() - start)
+    return {label: sorted(t)[len(t) // 2] for label, t in times.items()}
 
 
 def part_flops(unet: dict, image: int) -> dict[str, float]:
@@ -251,6 +268,11 @@ def main(argv=None) -> list[str]:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--images", type=int, default=16, help="images the build encodes")
     parser.add_argument("--image", type=int, default=IMAGE, help="image side in px")
+    parser.add_argument(
+        "--cpu-seconds",
+        action="store_true",
+        help="step: CPU seconds on one thread instead of the wall clock (a busy machine)",
+    )
     args = parser.parse_args(argv)
 
     print(f"cpu, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
