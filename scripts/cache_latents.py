@@ -171,10 +171,13 @@ def main(argv=None) -> int:
     opt, dotlist = parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.cache_latents = True
     for name in ("ldm", "lun"):
-        if not logging.getLogger(name).handlers:  # called again in one process (tests)
-            logging.getLogger(name).addHandler(handler)
-        logging.getLogger(name).setLevel(logging.INFO)
+        logger = logging.getLogger(name)
+        for old in [h for h in logger.handlers if getattr(h, "cache_latents", False)]:
+            logger.removeHandler(old)  # of an earlier call in this process, on an older stderr
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
     if opt.processes > 1 and "RANK" not in os.environ:
         return spawn(opt, argv)
     from lun.config import ConfigError

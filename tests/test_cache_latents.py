@@ -72,5 +72,5 @@ def test_bad_input_is_one_line_and_status_2(tiny_config, shapes_dir, tmp_path, c
         assert cache_latents.main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert message in err[-1], err
-        assert not any("Traceback" in line for line in err)
+        assert not any("Traceback" in line for line in err), err
     assert not (tmp_path / "c").exists()

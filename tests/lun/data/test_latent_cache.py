@@ -2,6 +2,7 @@
 cache run resumes to the same cache, buckets and flips are cached per size and orientation."""
 
 import json
+import logging
 import shutil
 
 import cache_latents
@@ -218,10 +219,13 @@ def test_sampled_latents_are_drawn_once_scaled_and_used_as_they_are(tiny_config,
 
 
 def test_another_vae_or_a_broken_cache_is_one_line_before_a_run_folder(
-    tiny_config, made, tmp_path, capsys
+    tiny_config, made, tmp_path, capsys, monkeypatch
 ):
     from run_helpers import load_main
 
+    for name in ("ldm", "lun"):  # the launcher's log handlers (on this test's stderr) go after it
+        logger = logging.getLogger(name)
+        monkeypatch.setattr(logger, "handlers", list(logger.handlers))
     main = load_main()
     folder, out = made
     logs = tmp_path / "logs"
