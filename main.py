@@ -190,6 +190,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         elif opt.scale_lr:
             raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
         model = build_model(config["model"])
+        from lun.data.latent_cache import check_cached_data
+
+        check_cached_data(data, model)  # a cache made with other weights: stop before the run
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 

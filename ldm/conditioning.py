@@ -60,6 +60,8 @@ class Embedder(nn.Module):
         if not 0.0 <= ucg_rate <= 1.0:
             raise ValueError(f"ucg_rate must be in [0, 1], got {ucg_rate}")
         self.ucg_rate, self.trainable = float(ucg_rate), trainable
+        self._null_output = None  # the frozen embedder's output for the null input (cached runs)
+        self.register_load_state_dict_post_hook(_forget_null_output)
 
     def null_inputs(self, n: int):
         """The unconditional value of `n` inputs."""
@@ -86,11 +88,26 @@ class Embedder(nn.Module):
         unconditional value with probability `ucg_rate` (draws from `generator`, else the global
         CPU generator)."""
         inputs = batch[self.input_key]
+        # Outputs cached by scripts/cache_latents.py stand in for a frozen embedder's forward.
+        cached = None if self.trainable else (batch.get("context") or {}).get(self.field)
         if drop and self.ucg_rate > 0:
             device = generator.device if generator is not None else "cpu"
             dropped = torch.rand(len(inputs), generator=generator, device=device) < self.ucg_rate
+            if cached is not None:
+                return {self.field: self._drop_cached(cached, dropped)}
             inputs = _replace(inputs, self.null_inputs(len(inputs)), dropped)
-        return {self.field: self._embed(inputs)}
+        return {self.field: cached if cached is not None else self._embed(inputs)}
+
+    def _drop_cached(self, cached: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        """Cached outputs with the dropped rows replaced by the null input's output, computed
+        once (the embedder is frozen) and forgotten when weights are loaded."""
+        if not dropped.any():
+            return cached
+        null = getattr(self, "_null_output", None)
+        if null is None or null.device != cached.device or null.dtype != cached.dtype:
+            null = self._null_output = self._embed(self.null_inputs(1)).to(cached)
+        where = dropped.to(cached.device).view(-1, *[1] * (cached.dim() - 1))
+        return torch.where(where, null, cached)
 
     def unconditional(self, batch: Mapping, negative=None) -> dict[str, torch.Tensor]:
         """The guidance's unconditional side for `batch`: the null inputs, or `negative` (e.g.
@@ -101,6 +118,10 @@ class Embedder(nn.Module):
     def _embed(self, inputs) -> torch.Tensor:
         with torch.set_grad_enabled(self.trainable and torch.is_grad_enabled()):
             return self(inputs)
+
+
+def _forget_null_output(module, incompatible_keys) -> None:
+    module._null_output = None
 
 
 def _replace(inputs, nulls, dropped: torch.Tensor):

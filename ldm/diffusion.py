@@ -15,6 +15,7 @@ from torch import nn
 
 from ldm import checkpoint, sampling, vlb
 from ldm import lora as lora_module
+from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -210,6 +211,16 @@ class LatentDiffusion(pl.LightningModule):
 
         return self._run_first_stage(encode, images) * self.scale_factor
 
+    def cached_latent(
+        self, latent: torch.Tensor, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """A cached first-stage output -> scaled latent: posterior moments (B, 2C, h, w) are
+        sampled as `encode_first_stage` samples them (same draw, same stream); a latent already
+        sampled and scaled (B, C, h, w) is used as it is."""
+        if latent.shape[1] == 2 * self.latent_channels:
+            return DiagonalGaussianDistribution(latent).sample(generator) * self.scale_factor
+        return latent
+
     @torch.no_grad()
     def decode_first_stage(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latent -> images (B, 3, H, W), roughly in [-1, 1]."""
@@ -309,8 +320,8 @@ class LatentDiffusion(pl.LightningModule):
 
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):
         """Noise the latents at random t, predict eps or v; returns (loss, per-sample loss, t)."""
-        if "latent" in batch:
-            z = batch["latent"]  # cached latents, already multiplied by scale_factor
+        if "latent" in batch:  # cached (scripts/cache_latents.py): no VAE pass
+            z = self.cached_latent(batch["latent"], generator)
         else:
             z = self.encode_first_stage(batch["image"], generator)
         cond = self.conditioning(batch, generator, drop=self.training)

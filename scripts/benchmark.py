@@ -22,6 +22,9 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per image
   (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4) and
   the achieved share of the measured matmul peak.
+- cache: training steps online vs from the latent cache, the GPU projection from FLOP counts,
+  and the cache's build speed against diffusers' AutoencoderKL in a plain loop
+  (scripts/benchmark_cache.py, CPU).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -463,8 +466,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["train", "memory", "sampling", "data", "dit"],
-        default=["train", "memory", "sampling", "data", "dit"],
+        choices=["train", "memory", "sampling", "data", "dit", "cache"],
+        default=["train", "memory", "sampling", "data", "dit", "cache"],
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument(
@@ -497,6 +500,10 @@ def main() -> None:
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:
         tables.append(data_section(args))
+    if "cache" in args.only:
+        from benchmark_cache import main as cache_benchmark
+
+        tables.append(cache_benchmark(["--steps", str(args.steps), "--warmup", str(args.warmup)]))
     print()
     for table in tables:
         print("\n".join(table) + "\n")

@@ -145,6 +145,9 @@ class DataModule(L.LightningDataModule):
     persistent_workers: keep workers alive between epochs; default true when num_workers > 0.
     pin_memory: page-locked batches for faster host-to-GPU copies.
     seed: seed of the data order; default the seed given to seed_everything, else 0.
+    cache: a folder written by scripts/cache_latents.py: training then reads the training set's
+        VAE latents (and text-encoder outputs) from it instead of its images
+        (lun.data.latent_cache.CachedLatents); the order and resume are unchanged.
     """
 
     def __init__(
@@ -157,8 +160,10 @@ class DataModule(L.LightningDataModule):
         persistent_workers: bool | None = None,
         pin_memory: bool = False,
         seed: int | None = None,
+        cache: str | None = None,
     ):
         super().__init__()
+        self.cache = cache
         self.configs = {"train": train, "validation": validation, "test": test}
         self.defaults = {
             "batch_size": batch_size,
@@ -187,6 +192,10 @@ class DataModule(L.LightningDataModule):
         for split in splits.get(stage, ()):
             if self.configs[split] is not None and split not in self.datasets:
                 self.datasets[split] = instantiate_from_config(self.configs[split])
+                if split == "train" and self.cache:
+                    from lun.data.latent_cache import CachedLatents
+
+                    self.datasets[split] = CachedLatents(self.datasets[split], self.cache)
 
     def batch_size(self, split: str = "train") -> int:
         """Images per batch on each device for `split` (its own setting, else the default)."""

@@ -270,6 +270,10 @@ class Local(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._images)
 
+    def image_name(self, index: int) -> str:
+        """The image file of item `index`, relative to data_root ("/" separators)."""
+        return self._images[index]
+
     def item_size(self, index: int) -> tuple[int, int]:
         """(width, height) of item `index` - its bucket, or size x size."""
         return self.bucket_sizes[int(self.batch_groups[index])]
