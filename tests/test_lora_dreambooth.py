@@ -85,3 +85,21 @@ def test_a_missing_instance_folder_is_one_line_exit_2_before_the_run_folder(tmp_
     assert lines[-1].startswith("config error: data.params.train.params.data_root=")
     assert "not a folder" in lines[-1] and "Traceback" not in result.stderr
     assert not logs.exists() and not (tmp_path / "class").exists()
+
+
+def test_the_concept_experiment_reads_its_own_instance_images_as_pink_circles(tmp_path):
+    import random
+
+    import numpy as np
+    from eval_shapes import analyze
+    from lora_concept import draw_instances, read_color
+    from make_shapes import make_image
+
+    draw_instances(tmp_path, 6, size=16, seed=0)
+    for path in sorted(tmp_path.glob("*.png")):
+        pixels = np.asarray(Image.open(path))
+        assert (read_color(pixels), analyze(pixels).shape) == ("pink", "circle"), path.name
+    # the six colours of the base are not read as pink
+    for color in ("red", "purple", "orange"):
+        image = make_image(random.Random(0), 16, color, "circle", "white", False)
+        assert read_color(np.asarray(image)) == color
