@@ -172,21 +172,21 @@ def main(argv=None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     draw_instances(args.out / "instance", args.instances, args.size, seed=0)
 
-    rows = {"base": score(args.base_ckpt, args.n, args.size)}
-    for name, prior in (("lora", False), ("lora + prior preservation", True)):
-        rows[name] = score(
-            train(args, name.replace(" + ", "-").replace(" ", "-"), prior), args.n, args.size
-        )
     print(
-        f"\n{args.instances} instance images, {args.steps} steps, {args.n} images per concept prompt"
+        f"{args.instances} instance images, {args.steps} steps, {args.n} images per concept "
+        f"prompt, {args.n // 2} per base prompt\n"
+        "| model | 'a sks circle': pink circles | 'a circle': pink | base prompts: colour "
+        "| shape | both |\n|---|---|---|---|---|---|",
+        flush=True,
     )
-    print(
-        "| model | 'a sks circle': pink circles | 'a circle': pink | base prompts: colour | shape | both |"
-    )
-    print("|---|---|---|---|---|---|")
-    for name, r in rows.items():
+    runs = (("base", None), ("lora", False), ("lora + prior preservation", True))
+    for name, prior in runs:  # each row as soon as it is measured
+        ckpt = args.base_ckpt if prior is None else train(args, name.replace(" ", ""), prior)
+        r = score(ckpt, args.n, args.size)
         print(
-            f"| {name} | {r['concept']:.0f} % | {r['drift']:.0f} % | {r['colour']:.1f} % | {r['shape']:.1f} % | {r['both']:.1f} % |"
+            f"| {name} | {r['concept']:.0f} % | {r['drift']:.0f} % | {r['colour']:.1f} % "
+            f"| {r['shape']:.1f} % | {r['both']:.1f} % |",
+            flush=True,
         )
 
 
