@@ -179,8 +179,8 @@ def main(argv=None) -> None:
         "| shape | both |\n|---|---|---|---|---|---|",
         flush=True,
     )
-    runs = (("base", None), ("lora", False), ("lora + prior preservation", True))
-    for name, prior in runs:  # each row as soon as it is measured
+    runs = (("lora", False), ("lora + prior preservation", True), ("base", None))
+    for name, prior in runs:  # each row as soon as it is measured, the LoRAs' first
         ckpt = args.base_ckpt if prior is None else train(args, name.replace(" ", ""), prior)
         r = score(ckpt, args.n, args.size)
         print(
