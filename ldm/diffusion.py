@@ -353,6 +353,8 @@ class LatentDiffusion(pl.LightningModule):
             out = prediction.detach()
             pred_x0 = (x_t - s * out) / a if self.parameterization == "eps" else a * x_t - s * out
             per_sample = per_sample + vlb.vlb_bits_per_dim(self.betas, z, x_t, t, pred_x0, variance)
+        if "loss_weight" in batch:  # per-image weights from the data (DreamBooth's prior loss)
+            per_sample = per_sample * batch["loss_weight"].to(per_sample)
         return per_sample.mean(), per_sample.detach(), t
 
     def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,8 @@ def probe_batch(data) -> dict | None:
         image = item["image"].unsqueeze(0)
         item = {**item, "image": F.interpolate(image, size=(height, width), mode="nearest")[0]}
     batch_size = data.batch_size("train") if hasattr(data, "batch_size") else 1
-    return torch.utils.data.default_collate([item] * batch_size)
+    collate = getattr(dataset, "collate", torch.utils.data.default_collate)
+    return collate([item] * batch_size)
 
 
 def measure_activations(model, batch, trainer) -> int:

@@ -190,9 +190,17 @@ def launcher_args(
     data_roots = {
         "lun.data.local.Local": shapes_dir,
         "lun.data.class_folder.ClassFolder": shape_classes_dir,
+        "lun.data.dreambooth.DreamBooth": shapes_dir,
     }
     assert train.target in data_roots, f"{config}: teach this test {train.target}"
     overrides = tiny_model_overrides(merged.model)
+    if train.target == "lun.data.dreambooth.DreamBooth":  # its base model draws 2 class images
+        key = "data.params.train.params"
+        overrides += [
+            f"{key}.class_data_root={tmp_path / 'class-images'}",
+            f"{key}.num_class_images=2",
+            f"{key}.sample_steps=2",
+        ]
     if overrides and not any(o.startswith("data.params.train.params.size=") for o in overrides):
         overrides.append("data.params.train.params.size=32")
         if train.params.get("buckets"):  # buckets of ~32 x 32 pixels

@@ -41,8 +41,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ldm.util import instantiate_from_config
-from lun.data.buckets import BucketBatchSampler
 from lun.config import ConfigError
+from lun.data.buckets import BucketBatchSampler
 from lun.rng import seeded
 
 LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
@@ -272,6 +272,7 @@ class DataModule(L.LightningDataModule):
             loader = EpochLoader(
                 SeededItems(dataset),
                 batch_sampler=KeyedBatches(ordering),
+                collate_fn=getattr(dataset, "collate", None),  # its own (DreamBooth's pairs)
                 epochs=ordering,
                 **loader_args,
             )

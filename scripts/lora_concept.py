@@ -1,0 +1,194 @@
+"""Teach a LoRA a concept the shapes demo model never saw, with and without prior preservation.
+
+    python scripts/lora_concept.py --base-ckpt logs/<demo run>/checkpoints/last.ckpt
+
+The base is a model trained by `make demo` (configs/demo/shapes.yaml): six colours, three shapes.
+The concept is DreamBooth's setting (Ruiz et al. 2022) in miniature: a "sks circle" is a *pink*
+circle - a colour no training image had - shown in `--instances` images; its class is "a circle".
+
+1. draws the instance images (pink circles as make_shapes.py draws shapes), captioned
+   "a sks circle";
+2. trains two LoRAs through main.py (rank 8 on the attention projections, `--steps` steps,
+   the text encoder frozen): DreamBooth data alone, and with prior preservation (the base
+   model draws `--class-images` images for "a circle" first; prior_loss_weight 1);
+3. scores the base and both LoRAs with eval_shapes.py's pixel reading: the concept (share of
+   "a sks circle" images that are pink circles), the drift of the class (share of "a circle"
+   images that are pink) and the 18 base prompts ("a red circle", ...: colour, shape, both).
+"""
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import eval_shapes  # noqa: E402
+from make_shapes import BACKGROUNDS, SHAPE_COLORS, SUPERSAMPLING, draw_shape  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "demo" / "shapes.yaml"
+# Far from every colour of make_shapes.py (RGB distance >= 130 to the nearest, purple) and from
+# the backgrounds, so the pixel reading tells it apart as surely as the six.
+NEW_COLOR = ("pink", (255, 110, 200))
+PALETTE = {**SHAPE_COLORS, NEW_COLOR[0]: NEW_COLOR[1]}
+INSTANCE_PROMPT, CLASS_PROMPT = "a sks circle", "a circle"
+SAMPLING = {"sampler": "ddim", "steps": 25, "scale": 4.0}  # the demo's scoring settings
+
+
+def draw_instances(folder: Path, count: int, size: int, seed: int) -> None:
+    """`count` pink circles on the demo's plain backgrounds, placed and sized as make_shapes.py
+    places its shapes."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        big = size * SUPERSAMPLING
+        background = list(BACKGROUNDS.values())[i % len(BACKGROUNDS)]
+        image = Image.new("RGB", (big, big), background)
+        side = rng.uniform(0.5, 0.85) * big
+        x0, y0 = rng.uniform(0, big - side), rng.uniform(0, big - side)
+        draw_shape(
+            ImageDraw.Draw(image), "circle", (x0, y0, x0 + side - 1, y0 + side - 1), NEW_COLOR[1]
+        )
+        image.resize((size, size), Image.Resampling.BOX).save(folder / f"{i:02d}.png")
+
+
+def read_color(image: np.ndarray) -> str | None:
+    """The shape's colour among the six and pink (eval_shapes' blob, nearest palette entry)."""
+    pixels = np.asarray(image, dtype=np.float32)
+    background = eval_shapes.background_color(pixels)
+    distance = np.linalg.norm(pixels - background, axis=-1)
+    blob = eval_shapes.largest_blob(distance > eval_shapes.FOREGROUND_DISTANCE)
+    if blob.sum() < eval_shapes.MIN_AREA_FRACTION * blob.size:
+        return None
+    foreground = np.median(pixels[blob], axis=0)
+    palette = np.array(list(PALETTE.values()), dtype=np.float32)
+    return list(PALETTE)[int(np.argmin(np.linalg.norm(palette - foreground, axis=-1)))]
+
+
+def sample(model, prompt: str, n: int, size: int) -> np.ndarray:
+    """`n` images of `prompt`, image i from seed i (as eval_shapes.py), as uint8 (n, H, W, 3)."""
+    from lun.generation import starting_noise
+
+    noise = starting_noise(list(range(n)), model.latent_shape(size, size), model.device)
+    with torch.no_grad():
+        images = model.sample([prompt] * n, height=size, width=size, noise=noise, **SAMPLING)
+    return eval_shapes.to_uint8(images)
+
+
+def score(ckpt: str, n: int, size: int) -> dict:
+    """The table's numbers for one checkpoint (its config found beside it, else the demo's)."""
+    from lun.generation import load_model
+
+    config = None if (Path(ckpt).parent.parent / "configs").is_dir() else str(CONFIG)
+    model = load_model(
+        argparse.Namespace(ckpt=ckpt, config=config, ema=None, unsafe_load=False, device="cpu")
+    )
+    concept = [
+        read_color(x) == "pink" and eval_shapes.analyze(x).shape == "circle"
+        for x in sample(model, INSTANCE_PROMPT, n, size)
+    ]
+    drift = [read_color(x) == "pink" for x in sample(model, CLASS_PROMPT, n, size)]
+    base_args = argparse.Namespace(
+        n=n // 2, template="{a} {color} {shape}", size=size, seed=0, batch_size=72, **SAMPLING
+    )
+    scores, _, _ = eval_shapes.evaluate(model, base_args)
+    return {
+        "concept": 100.0 * np.mean(concept),
+        "drift": 100.0 * np.mean(drift),
+        "colour": scores.percent(scores.color),
+        "shape": scores.percent(scores.shape),
+        "both": scores.percent(scores.both),
+    }
+
+
+def train(args, name: str, prior: bool) -> str:
+    """One LoRA through main.py; returns its last checkpoint."""
+    key = "data.params.train.params"
+    overrides = [
+        f"model.params.ckpt_path={args.base_ckpt}",
+        "model.params.load_ema=true",  # the weights the demo samples with
+        "model.params.lora={rank: 8, alpha: 8, targets: [attn]}",
+        "model.params.ucg_rate=0.0",  # one fixed prompt: the null caption stays the base's
+        f"model.base_learning_rate={args.lr}",
+        "model.params.scheduler_config.params.warmup_steps=20",
+        f"lightning.trainer.max_steps={args.steps}",
+        "lightning.callbacks.ema=null",
+        "data.params.batch_size=8",
+        "data.params.train.target=lun.data.dreambooth.DreamBooth",
+        f"{key}.data_root={args.out / 'instance'}",
+        f"{key}.instance_prompt={INSTANCE_PROMPT}",
+    ]
+    if prior:
+        overrides += [
+            f"{key}.class_data_root={args.out / 'class'}",
+            f"{key}.class_prompt={CLASS_PROMPT}",
+            f"{key}.num_class_images={args.class_images}",
+            f"{key}.prior_loss_weight=1.0",
+            f"{key}.class_model=${{model}}",
+            f"{key}.sample_steps={SAMPLING['steps']}",
+            f"{key}.sample_scale={SAMPLING['scale']}",
+            f"{key}.sample_batch_size=32",
+        ]
+    command = [sys.executable, str(ROOT / "main.py"), "--base", str(CONFIG), *overrides]
+    command += ["-l", str(args.out / "logs"), "-n", name, "-t"]
+    print("$ " + " ".join(command[1:]), flush=True)
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"training {name} failed:\n{result.stderr[-3000:]}")
+    (run,) = [
+        line.split(": ", 1)[1]
+        for line in result.stdout.splitlines()
+        if line.startswith("run folder: ")
+    ]
+    return str(Path(run) / "checkpoints" / "last.ckpt")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-ckpt", required=True, help="a shapes demo checkpoint (make demo)")
+    parser.add_argument("--out", type=Path, default=Path("outputs/lora-concept"))
+    parser.add_argument(
+        "--instances", type=int, default=5, help="instance images (DreamBooth: 3-5)"
+    )
+    parser.add_argument("--class-images", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=200, help="LoRA training steps")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--n", type=int, default=16, help="images per concept prompt (8 per base prompt)"
+    )
+    parser.add_argument("--size", type=int, default=16, help="image side of the demo")
+    args = parser.parse_args(argv)
+    if not Path(args.base_ckpt).is_file():
+        sys.exit(f"error: --base-ckpt {args.base_ckpt}: no such file")
+    args.out = args.out.resolve()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    draw_instances(args.out / "instance", args.instances, args.size, seed=0)
+
+    print(
+        f"{args.instances} instance images, {args.steps} steps, {args.n} images per concept "
+        f"prompt, {args.n // 2} per base prompt\n"
+        "| model | 'a sks circle': pink circles | 'a circle': pink | base prompts: colour "
+        "| shape | both |\n|---|---|---|---|---|---|",
+        flush=True,
+    )
+    runs = (("lora", False), ("lora + prior preservation", True), ("base", None))
+    for name, prior in runs:  # each row as soon as it is measured, the LoRAs' first
+        ckpt = args.base_ckpt if prior is None else train(args, name.replace(" ", ""), prior)
+        r = score(ckpt, args.n, args.size)
+        print(
+            f"| {name} | {r['concept']:.0f} % | {r['drift']:.0f} % | {r['colour']:.1f} % "
+            f"| {r['shape']:.1f} % | {r['both']:.1f} % |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
