@@ -9,7 +9,8 @@ load as `first_stage_config.params.ckpt_path` and `scripts/swap_vae.py` puts the
 diffusion checkpoint.
 
 One training step = one batch = one generator (encoder + decoder) update and one discriminator
-update, as the original's two optimizers under Lightning 1.x. Lightning 2 runs them by manual
+update on reconstructions made again by the updated generator, as the original's two
+optimizers under Lightning 1.x (`training_step` ran once per optimizer). Lightning 2 runs them by manual
 optimization; the discriminator's step goes through the strategy (gradient scaling, clipping
 hooks, the NaN guard) without counting as a second global step, so `max_steps`, checkpoint
 intervals, EMA and `disc_start` count batches as in the original. Under 16-mixed each optimizer
@@ -171,6 +172,13 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             opt_g.zero_grad(set_to_none=True)
             self.manual_backward(g_loss)
             opt_g.step()  # counts the global step
+
+        if self.loss.gan_factor(step) > 0:
+            # The discriminator sees the *updated* generator's reconstructions (a new posterior
+            # sample), as the original, whose training_step ran again for optimizer_idx 1 after
+            # the generator's step. Before disc_start its loss is 0 and nothing needs them.
+            with torch.no_grad():
+                recs, _ = self(x)
 
         with self._scaler(1):
             d_loss, d_log = self.loss.discriminator_loss(x, recs, step)

@@ -369,3 +369,23 @@ def test_first_stage_trainable_is_accepted_and_the_vae_stays_frozen(caplog):
     warnings = [r.getMessage() for r in caplog.records]
     assert any("first_stage_trainable: true" in w and "not optimised" in w for w in warnings)
     assert any("lossconfig" in w and "no effect" in w for w in warnings)
+
+
+def test_the_discriminator_step_sees_the_updated_generators_reconstructions():
+    """The original ran training_step again for optimizer_idx 1, after the generator's step: the
+    discriminator's fakes come from the updated weights, not from the generator's forward."""
+    vae = make_vae(disc_start=0)
+    vae.learning_rate = 1e-2  # a step that visibly moves the reconstructions
+    with torch.no_grad():  # a posterior of std exp(-15): its sample is the mean (no noise)
+        half = vae.quant_conv.out_channels // 2
+        vae.quant_conv.weight[half:] = 0.0
+        vae.quant_conv.bias[half:] = -30.0
+    x = images(2, 16)  # the one batch fit() trains on
+    before = vae(x, sample_posterior=False)[0].detach()
+    seen = []
+    vae.loss.discriminator.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    fit(vae, steps=1, n=2)
+    after = vae(x, sample_posterior=False)[0].detach()
+    fake = seen[-1]  # discriminator_loss: D(real), then D(fake)
+    assert torch.allclose(fake, after, atol=1e-4)
+    assert not torch.allclose(fake, before, atol=1e-2)
