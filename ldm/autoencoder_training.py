@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ldm.autoencoder import AutoencoderKL, DiagonalGaussianDistribution
+from ldm.checkpoint import drop_ema_shadows
 from ldm.util import instantiate_from_config
 
 GENERATOR_PARTS = ("encoder", "decoder", "quant_conv", "post_quant_conv")
@@ -240,7 +241,9 @@ def _drop_lpips_keys(module, state: dict, prefix: str, local_metadata) -> None:
 
 def _keep_own_lpips(module, state: dict, prefix: str, *args) -> None:
     """LPIPS is loaded from its own files: put this module's weights where a checkpoint has none
-    (ours) or other names (original training checkpoints: taming's `net.slice*` / `lin*`)."""
+    (ours) or other names (original training checkpoints: taming's `net.slice*` / `lin*`).
+    The EMA shadows go to the EMA callback (a resumed run with EMA)."""
+    drop_ema_shadows(state, prefix)
     for key in [k for k in state if k.startswith(prefix + LPIPS_PREFIX)]:
         del state[key]
     lpips = getattr(module.loss, "perceptual_loss", None)

@@ -315,6 +315,12 @@ def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
     `apply_ema`). It only drops or adds the level of keys the module has, so it never collides
     with the hooks of FSDP or DeepSpeed; nothing is renamed on save."""
     from_original_layout(state, prefix)
+    drop_ema_shadows(state, prefix)
+
+
+def drop_ema_shadows(state: dict, prefix: str = "") -> None:
+    """In place: remove the `model_ema.*` shadows, which the EMA callback (or `apply_ema`) reads
+    from the checkpoint, not the module."""
     for key in [k for k in state if k.startswith(prefix + EMA_PREFIX)]:
         del state[key]
 

@@ -389,3 +389,41 @@ def test_the_discriminator_step_sees_the_updated_generators_reconstructions():
     fake = seen[-1]  # discriminator_loss: D(real), then D(fake)
     assert torch.allclose(fake, after, atol=1e-4)
     assert not torch.allclose(fake, before, atol=1e-2)
+
+
+def test_ema_checkpoint_keeps_the_original_names_saved_inside_an_ema_block(tmp_path):
+    """Saved while the EMA weights are swapped in (validation, the image logger): the raw weights
+    stay under the VAE's own names and the shadows under LitEma's rule (`model_ema.` + the name
+    without dots), so the file loads as a VAE and `swap_vae.py --ema` finds the average."""
+    from safetensors.torch import load_file
+    from swap_vae import main as swap_vae
+
+    from ldm.autoencoder import AutoencoderKL
+    from lun.callbacks.ema import EMA, ema_weights
+
+    vae = make_vae()
+    vae.learning_rate = 1e-2
+    trainer = fit(vae, steps=2, callbacks=[EMA(decay=0.5, async_update=False)])
+    raw = snapshot(vae)
+    with ema_weights(trainer, vae):
+        averaged = snapshot(vae)
+        trainer.save_checkpoint(tmp_path / "vae.ckpt")
+    state = torch.load(tmp_path / "vae.ckpt", weights_only=True)["state_dict"]
+    assert not any(k.startswith("model.") for k in state)
+    name = "decoder.conv_out.weight"
+    assert torch.equal(state[name], raw[name])
+    assert torch.equal(state["model_ema.decoderconv_outweight"], averaged[name])
+    assert not torch.equal(raw[name], averaged[name])
+    AutoencoderKL(DDCONFIG, 4, ckpt_path=str(tmp_path / "vae.ckpt"))  # strict: the raw weights
+    out = tmp_path / "ema.safetensors"
+    assert swap_vae(["--vae", str(tmp_path / "vae.ckpt"), "--ema", "--out", str(out)]) == 0
+    assert torch.equal(load_file(out)[name], averaged[name])
+    # Training resumes from it (the shadows go to the EMA callback, not the module).
+    resumed = make_vae(seed=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[EMA(decay=0.5, async_update=False)],
+    )  # fmt: skip
+    trainer.fit(resumed, loader(8, 16), ckpt_path=tmp_path / "vae.ckpt")
+    assert trainer.global_step == 3
