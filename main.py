@@ -129,7 +129,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     # Heavy imports after argument parsing, so `--help` and config errors answer at once.
     from lightning.pytorch import seed_everything
 
-    from lun.run import is_rank_zero, new_run_dir, resume_target, saved_configs
+    from lun.run import check_strategy_fits, is_rank_zero, new_run_dir, resume_target, saved_configs
     from lun.trainer import build_data, build_model, build_trainer
 
     unknown = [a for a in dotlist if a.startswith("-")]
@@ -190,6 +190,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         elif opt.scale_lr:
             raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
         model = build_model(config["model"])
+        check_strategy_fits(model, trainer.strategy)
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 

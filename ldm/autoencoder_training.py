@@ -141,12 +141,6 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         return [opt_g, opt_d]
 
     def setup(self, stage: str) -> None:
-        strategy = type(self.trainer.strategy).__name__
-        if "DeepSpeed" in strategy:
-            raise ValueError(
-                "the autoencoder trains two optimizers (generator and discriminator), which "
-                "Lightning's DeepSpeed strategy does not support; use strategy: ddp or fsdp"
-            )
         plugin = self.trainer.precision_plugin
         if stage == "fit" and getattr(plugin, "precision", None) == "16-mixed":
             device = self.trainer.strategy.root_device.type

@@ -205,3 +205,16 @@ def take_held_save_signal() -> bool:
     held = bool(_held_signals)
     _held_signals.clear()
     return held
+
+
+def check_strategy_fits(model, strategy) -> None:
+    """Before the run folder: a module that steps its own optimizers (manual optimization: the
+    autoencoder's generator and discriminator) cannot run under DeepSpeed, to which Lightning
+    hands one optimizer (its error would come from inside `fit`, after the folder exists)."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    if isinstance(strategy, DeepSpeedStrategy) and not model.automatic_optimization:
+        raise ConfigError(
+            f"lightning.strategy: {type(model).__name__} steps two optimizers (manual "
+            "optimization) and Lightning's DeepSpeed strategy runs one; use strategy: ddp or fsdp"
+        )

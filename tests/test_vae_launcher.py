@@ -48,3 +48,18 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
         assert torch.equal(state[enc], start[f"first_stage_model.{enc}"])
         dec = "decoder.conv_out.weight"
         assert not torch.equal(state[dec], start[f"first_stage_model.{dec}"])
+
+
+@pytest.mark.slow
+def test_deepspeed_is_a_one_line_config_error_before_the_run_folder(tmp_path, shapes_dir):
+    """Lightning's DeepSpeed runs one optimizer; the autoencoder steps two (manual optimization)."""
+    logs = tmp_path / "logs"
+    args = ["--base", str(ROOT / "configs" / "autoencoder" / "tiny.yaml")]
+    args += [f"data.params.train.params.data_root={shapes_dir}", "lightning.strategy=deepspeed"]
+    result = run_main([*args, "lightning.trainer.accelerator=cpu", "-l", str(logs), "-t"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
+    assert (
+        "lightning.strategy" in line and "ddp or fsdp" in line and "Traceback" not in result.stderr
+    )
+    assert not logs.exists() or not any(logs.iterdir())
