@@ -108,3 +108,27 @@ def _original_names(levels: int, state: Mapping) -> list[str]:
         names += [f"{part}.mid.block_{b}.{x}" for b in (1, 2) for x in leaves]
         names += [f"{part}.mid.attn_1.{x}" for x in ("norm", "q", "k", "v", "proj_out")]
     return [f"{n}.{kind}" for n in names for kind in ("weight", "bias")]
+
+
+def diffusers_config(state: Mapping[str, torch.Tensor], scaling_factor: float, size: int) -> dict:
+    """diffusers' `AutoencoderKL` config (config.json) of original VAE weights, read from their
+    shapes; `scaling_factor` (0.18215 for SD 1.x/2.x) and `size` are not in the weights."""
+    levels = _levels(state, r"encoder\.down\.(\d+)\.")
+    blocks = _levels(state, r"encoder\.down\.0\.block\.(\d+)\.")
+    return {
+        "_class_name": "AutoencoderKL",
+        "in_channels": state["encoder.conv_in.weight"].shape[1],
+        "out_channels": state["decoder.conv_out.weight"].shape[0],
+        "down_block_types": ["DownEncoderBlock2D"] * levels,
+        "up_block_types": ["UpDecoderBlock2D"] * levels,
+        "block_out_channels": [
+            state[f"encoder.down.{i}.block.{blocks - 1}.conv2.weight"].shape[0]
+            for i in range(levels)
+        ],
+        "layers_per_block": blocks,
+        "latent_channels": state["post_quant_conv.weight"].shape[1],
+        "norm_num_groups": 32,  # ldm.autoencoder.normalize
+        "act_fn": "silu",
+        "sample_size": size,
+        "scaling_factor": scaling_factor,
+    }
