@@ -211,7 +211,12 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             checkpoint[DISC_SCALER_KEY] = self._grad_scalers[1].state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._loaded_disc_scaler = checkpoint.get(DISC_SCALER_KEY)
+        # Lightning runs `setup` (which makes the scalers) before this hook when resuming.
+        state = checkpoint.get(DISC_SCALER_KEY)
+        if self._grad_scalers is not None and state is not None:
+            self._grad_scalers[1].load_state_dict(state)
+        else:
+            self._loaded_disc_scaler = state
 
 
 class _SwapScaler:

@@ -298,20 +298,50 @@ def test_fp16_kl_of_a_large_logvar_is_finite():
     assert math.isfinite(float(loss))
 
 
+def fp16_plugins() -> list:
+    """Lightning turns CPU 16-mixed into bf16: ask for fp16 (and a loss scaler) itself."""
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+
+@pytest.mark.slow
+def test_fp16_gradient_scalers_resume(tmp_path):
+    """Both scalers come back from a checkpoint (Lightning restores the generator's through the
+    precision plugin; the discriminator's is the module's own entry, loaded after `setup`)."""
+    vae = make_vae(disc_start=0)
+    fit(vae, steps=2, plugins=fp16_plugins(), precision=None, n=4, size=16)
+    generator, discriminator = (s.state_dict() for s in vae._grad_scalers)
+    assert discriminator["_growth_tracker"] == 2  # two steps on: not a fresh scaler's state
+    vae.trainer.save_checkpoint(tmp_path / "vae.ckpt")
+    resumed = make_vae(seed=1, disc_start=0)
+    trainer = pl.Trainer(
+        plugins=fp16_plugins(), accelerator="cpu", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(resumed, loader(4, 16), ckpt_path=tmp_path / "vae.ckpt")
+    assert resumed._grad_scalers[0].state_dict() == generator
+    assert resumed._grad_scalers[1].state_dict() == discriminator
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_training_stays_finite(tmp_path, precision):
     torch.manual_seed(0)
     vae = overflowing_vae(True)
     vae.loss.disc_start = 1
     guard = NaNGuard(max_consecutive=1, dirpath=str(tmp_path))
-    plugins = []
-    if precision == "16-mixed":  # Lightning turns CPU 16-mixed into bf16: ask for fp16 itself
-        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
-        precision = None
-    fit(vae, steps=2, precision=precision, callbacks=[guard], n=4, plugins=plugins, size=16)
+    fp16 = precision == "16-mixed"
+    plugins = fp16_plugins() if fp16 else []
+    fit(
+        vae,
+        steps=2,
+        precision=None if fp16 else precision,
+        callbacks=[guard],
+        n=4,
+        plugins=plugins,
+        size=16,
+    )
     assert guard.skipped_steps == 0
     assert all(torch.isfinite(p).all() for p in vae.parameters())
-    if precision == "16-mixed":
+    if fp16:
         generator, discriminator = vae._grad_scalers
         assert generator is not discriminator
         assert generator.get_scale() < 2.0**16  # started below the per-pixel-mean default
