@@ -51,15 +51,31 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
 
 
 @pytest.mark.slow
-def test_deepspeed_is_a_one_line_config_error_before_the_run_folder(tmp_path, shapes_dir):
-    """Lightning's DeepSpeed runs one optimizer; the autoencoder steps two (manual optimization)."""
+@pytest.mark.parametrize(
+    "strategy, key, says",
+    [
+        ("deepspeed", "lightning.strategy:", "use strategy: ddp"),
+        ("fsdp", "lightning.strategy:", "use strategy: ddp"),
+        ("ddp", "lightning.strategy.params.find_unused_parameters:", "must be true"),
+    ],
+)
+def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
+    tmp_path, shapes_dir, strategy, key, says
+):
+    """Two optimizers by manual optimization: not under DeepSpeed (one optimizer) or FSDP, and
+    under DDP only with find_unused_parameters (configs/lightning/ddp.yaml has it false)."""
     logs = tmp_path / "logs"
     args = ["--base", str(ROOT / "configs" / "autoencoder" / "tiny.yaml")]
-    args += [f"data.params.train.params.data_root={shapes_dir}", "lightning.strategy=deepspeed"]
-    result = run_main([*args, "lightning.trainer.accelerator=cpu", "-l", str(logs), "-t"], tmp_path)
+    if strategy == "ddp":
+        args.append(str(ROOT / "configs" / "lightning" / "ddp.yaml"))
+    else:
+        args.append(f"lightning.strategy={strategy}")
+    args += [
+        f"data.params.train.params.data_root={shapes_dir}",
+        "lightning.trainer.accelerator=cpu",
+    ]
+    result = run_main([*args, "lightning.trainer.devices=2", "-l", str(logs), "-t"], tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
-    assert (
-        "lightning.strategy" in line and "ddp or fsdp" in line and "Traceback" not in result.stderr
-    )
+    assert key in line and says in line and "Traceback" not in result.stderr
     assert not logs.exists() or not any(logs.iterdir())

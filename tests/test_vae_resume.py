@@ -67,3 +67,22 @@ def test_vae_resume_is_bitwise_exact(tmp_path, shapes_dir):
     # The discriminator trained after the resume: its weights moved from step k's.
     disc = "loss.discriminator.main.0.weight"
     assert not torch.equal(at_k[disc], got[disc])
+
+
+@pytest.mark.slow
+def test_two_process_ddp_trains_both_optimizers(tmp_path, shapes_dir):
+    ddp = ROOT / "configs" / "lightning" / "ddp.yaml"
+    on_cpu_with_2 = [
+        "lightning.trainer.devices=2",
+        "lightning.strategy.params.find_unused_parameters=true",
+    ]
+    args = vae_args(shapes_dir, tmp_path / "logs", str(ddp), *on_cpu_with_2)
+    args[args.index("model.params.lossconfig.params.disc_start=3")] = (
+        "model.params.lossconfig.params.disc_start=1"
+    )
+    result = run_main(args, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (tmp_path / "logs").iterdir()
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == STEPS  # one step per batch on each rank
+    assert len(saved["optimizer_states"]) == 2 and saved["optimizer_states"][1]["state"]
