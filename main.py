@@ -129,7 +129,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     # Heavy imports after argument parsing, so `--help` and config errors answer at once.
     from lightning.pytorch import seed_everything
 
-    from lun.run import is_rank_zero, new_run_dir, resume_target, saved_configs
+    from lun.run import check_strategy_fits, is_rank_zero, new_run_dir, resume_target, saved_configs
     from lun.trainer import build_data, build_model, build_trainer
 
     unknown = [a for a in dotlist if a.startswith("-")]
@@ -193,6 +193,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         from lun.data.latent_cache import check_cached_data
 
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
+        check_strategy_fits(model, trainer.strategy)
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 

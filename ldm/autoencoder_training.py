@@ -9,7 +9,8 @@ load as `first_stage_config.params.ckpt_path` and `scripts/swap_vae.py` puts the
 diffusion checkpoint.
 
 One training step = one batch = one generator (encoder + decoder) update and one discriminator
-update, as the original's two optimizers under Lightning 1.x. Lightning 2 runs them by manual
+update on reconstructions made again by the updated generator, as the original's two
+optimizers under Lightning 1.x (`training_step` ran once per optimizer). Lightning 2 runs them by manual
 optimization; the discriminator's step goes through the strategy (gradient scaling, clipping
 hooks, the NaN guard) without counting as a second global step, so `max_steps`, checkpoint
 intervals, EMA and `disc_start` count batches as in the original. Under 16-mixed each optimizer
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ldm.autoencoder import AutoencoderKL, DiagonalGaussianDistribution
+from ldm.checkpoint import drop_ema_shadows
 from ldm.util import instantiate_from_config
 
 GENERATOR_PARTS = ("encoder", "decoder", "quant_conv", "post_quant_conv")
@@ -139,12 +141,6 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         return [opt_g, opt_d]
 
     def setup(self, stage: str) -> None:
-        strategy = type(self.trainer.strategy).__name__
-        if "DeepSpeed" in strategy:
-            raise ValueError(
-                "the autoencoder trains two optimizers (generator and discriminator), which "
-                "Lightning's DeepSpeed strategy does not support; use strategy: ddp or fsdp"
-            )
         plugin = self.trainer.precision_plugin
         if stage == "fit" and getattr(plugin, "precision", None) == "16-mixed":
             device = self.trainer.strategy.root_device.type
@@ -171,6 +167,13 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             opt_g.zero_grad(set_to_none=True)
             self.manual_backward(g_loss)
             opt_g.step()  # counts the global step
+
+        if self.loss.gan_factor(step) > 0:
+            # The discriminator sees the *updated* generator's reconstructions (a new posterior
+            # sample), as the original, whose training_step ran again for optimizer_idx 1 after
+            # the generator's step. Before disc_start its loss is 0 and nothing needs them.
+            with torch.no_grad():
+                recs, _ = self(x)
 
         with self._scaler(1):
             d_loss, d_log = self.loss.discriminator_loss(x, recs, step)
@@ -208,7 +211,12 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             checkpoint[DISC_SCALER_KEY] = self._grad_scalers[1].state_dict()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self._loaded_disc_scaler = checkpoint.get(DISC_SCALER_KEY)
+        # Lightning runs `setup` (which makes the scalers) before this hook when resuming.
+        state = checkpoint.get(DISC_SCALER_KEY)
+        if self._grad_scalers is not None and state is not None:
+            self._grad_scalers[1].load_state_dict(state)
+        else:
+            self._loaded_disc_scaler = state
 
 
 class _SwapScaler:
@@ -232,7 +240,9 @@ def _drop_lpips_keys(module, state: dict, prefix: str, local_metadata) -> None:
 
 def _keep_own_lpips(module, state: dict, prefix: str, *args) -> None:
     """LPIPS is loaded from its own files: put this module's weights where a checkpoint has none
-    (ours) or other names (original training checkpoints: taming's `net.slice*` / `lin*`)."""
+    (ours) or other names (original training checkpoints: taming's `net.slice*` / `lin*`).
+    The EMA shadows go to the EMA callback (a resumed run with EMA)."""
+    drop_ema_shadows(state, prefix)
     for key in [k for k in state if k.startswith(prefix + LPIPS_PREFIX)]:
         del state[key]
     lpips = getattr(module.loss, "perceptual_loss", None)

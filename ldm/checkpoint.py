@@ -10,7 +10,8 @@ Every key rule lives here (no other file spells a layout prefix):
 - EMA: `model_ema.<name of a parameter of LatentDiffusion.model, dots removed>` shadows the UNet.
 - Wrappers: the levels torch.compile, FSDP and activation checkpointing add to parameter names,
   and the "model" level of Lightning's sharded FSDP checkpoints.
-- A VAE file: bare or under `first_stage_model.` of a full checkpoint.
+- A VAE file: bare or under `first_stage_model.` of a full checkpoint, or in diffusers'
+  `AutoencoderKL` names (the rules in `ldm/layout/diffusers_vae.py`).
 - A backbone file: the backbone's own names with no prefix (the released DiT `.pt`), or DiT's
   `train.py` checkpoint (`{"model", "ema", "opt", "args"}`).
 - LoRA (peft): a wrapped layer's weights keep their original names (peft's `base_layer.` level
@@ -34,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
+
+from ldm.layout import diffusers_vae
 
 CLIP_PREFIX = "cond_stage_model.transformer."
 # SDXL (sgm): its CLIP ViT-L is embedder 0, and sgm-trained files may add the constant
@@ -323,6 +326,12 @@ def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
     `apply_ema`). It only drops or adds the level of keys the module has, so it never collides
     with the hooks of FSDP or DeepSpeed; nothing is renamed on save."""
     from_original_layout(state, prefix)
+    drop_ema_shadows(state, prefix)
+
+
+def drop_ema_shadows(state: dict, prefix: str = "") -> None:
+    """In place: remove the `model_ema.*` shadows, which the EMA callback (or `apply_ema`) reads
+    from the checkpoint, not the module."""
     for key in [k for k in state if k.startswith(prefix + EMA_PREFIX)]:
         del state[key]
 
@@ -551,6 +560,8 @@ def load_first_stage(vae: torch.nn.Module, path: str | Path, ignore_keys=()) -> 
             for k, v in state.items()
             if k.startswith(FIRST_STAGE_PREFIX)
         }
+    if diffusers_vae.is_diffusers_vae(state):
+        state = diffusers_vae.from_diffusers(state)
     own = vae.state_dict()
     state = {
         k: v for k, v in state.items() if k in own and not any(k.startswith(p) for p in ignore_keys)
@@ -561,6 +572,11 @@ def load_first_stage(vae: torch.nn.Module, path: str | Path, ignore_keys=()) -> 
             f"{path}: not an AutoencoderKL checkpoint for this ddconfig; {len(missing)} keys "
             f"missing, e.g. {missing[:3]}"
         )
+    for key, value in state.items():
+        if value.shape != own[key].shape:
+            raise ValueError(
+                f"{path}: {key} is {tuple(value.shape)}, this ddconfig's is {tuple(own[key].shape)}"
+            )
     vae.load_state_dict(state, strict=True)
 
 

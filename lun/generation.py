@@ -89,6 +89,12 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="use EMA weights (default: when the checkpoint has them)",
     )
+    parser.add_argument(
+        "--vae",
+        help="VAE file replacing the checkpoint's first stage: one trained here (a run's .ckpt or "
+        "swap_vae.py's file), an original SD VAE .ckpt/.safetensors or a diffusers AutoencoderKL "
+        ".safetensors",
+    )
     parser.add_argument("--skip_grid", action="store_true")
     parser.add_argument("--device", default=None, help="default: cuda, else mps, else cpu")
     parser.add_argument(
@@ -193,7 +199,22 @@ def load_model(args) -> torch.nn.Module:
     check_complete(cfg.model)
     model = instantiate_from_config(to_container(cfg.model))
     checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    if getattr(args, "vae", None):
+        load_vae(model, args.vae)
     return model.eval().to(pick_device(args.device))
+
+
+def load_vae(model: torch.nn.Module, path: str) -> None:
+    """Replace the model's first stage with the VAE in `path` (strict: every weight, same shapes)."""
+    checkpoint.load_first_stage(model.first_stage_model, path)
+
+
+def vae_parameters(args) -> dict[str, str]:
+    """The PNG fields AUTOMATIC1111 writes for a chosen VAE: its hash (first 10 hex digits of
+    the file's SHA-256) and its file name."""
+    if not getattr(args, "vae", None):
+        return {}
+    return {"VAE hash": checkpoint.file_hash(args.vae), "VAE": Path(args.vae).name}
 
 
 def read_prompts(args) -> list[str | int]:
@@ -274,6 +295,7 @@ def generate(
     loras = apply_loras(model, lora_files)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
+    extra_params = {**(extra_params or {}), **vae_parameters(args)}
     default_height, default_width = (
         init_images.shape[-2:]
         if init_images is not None

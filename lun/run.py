@@ -205,3 +205,33 @@ def take_held_save_signal() -> bool:
     held = bool(_held_signals)
     _held_signals.clear()
     return held
+
+
+def check_strategy_fits(model, strategy) -> None:
+    """Before the run folder: a module that steps its own optimizers (manual optimization: the
+    autoencoder's generator and discriminator, two backward passes per batch) and the strategies
+    it cannot run under - their errors would come from inside `fit`, after the folder exists.
+
+    DeepSpeed: Lightning hands it one optimizer. FSDP: its handles refuse the discriminator's
+    forward and backward after the generator's backward in one step ("Expects BACKWARD_PRE or
+    BACKWARD_POST state but got FORWARD"). DDP: each backward leaves the other optimizer's weights
+    without gradients, which DDP accepts only with `find_unused_parameters: true`.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+
+    if model.automatic_optimization:
+        return
+    name = type(model).__name__
+    if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)):
+        engine = "DeepSpeed" if isinstance(strategy, DeepSpeedStrategy) else "FSDP"
+        raise ConfigError(
+            f"lightning.strategy: {name} steps two optimizers (manual optimization), which "
+            f"Lightning's {engine} strategy cannot run; use strategy: ddp"
+        )
+    ddp_kwargs = getattr(strategy, "_ddp_kwargs", {})  # DDPStrategy keeps its arguments there
+    if isinstance(strategy, DDPStrategy) and not ddp_kwargs.get("find_unused_parameters"):
+        raise ConfigError(
+            "lightning.strategy.params.find_unused_parameters: must be true for "
+            f"{name}: its generator and discriminator backward passes each leave the other's "
+            "weights without gradients"
+        )

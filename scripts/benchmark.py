@@ -29,6 +29,10 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   train_text_to_image_lora.py) of that UNet: ours (ldm.lora) against diffusers'
   UNet2DConditionModel + peft `add_adapter`, the same base weights and the same fused AdamW over
   the adapters, taking turns; peak memory of each in its own process (fp32).
+- vae: one KL-autoencoder training step (encode, sample, decode, L1 + KL, backward, Adam) of our
+  trainer (`AutoencoderKLTraining`'s generator loss) against diffusers' AutoencoderKL holding the
+  same weights with the same loss terms (no LPIPS, no discriminator on either side), SD VAE
+  structure at half width (ch 64), 64x64 images, batch 4; fp32 and bf16 (as in dit).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -459,115 +463,6 @@ def dit_section(args, device) -> list[str]:
     return rows
 
 
-# --- LoRA: ours (LatentDiffusion + ldm.lora) against diffusers + peft ---------------------------
-LORA_RANK = 16
-LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # diffusers' train_text_to_image_lora.py
-
-
-def build_lora_unets(device, dtype=torch.float32):
-    """The same base UNet with rank-16 LoRA on the attention projections (gaussian init), ours as
-    a LoRA run builds it (`ldm.lora.add_adapters`, the frozen base held in `dtype` as under
-    `base_dtype: auto`), diffusers' as train_text_to_image_lora.py does: `unet.add_adapter(
-    LoraConfig(...))`, the frozen UNet cast to the mixed-precision dtype, the adapters float32."""
-    from peft import LoraConfig
-
-    from ldm import lora
-
-    ours, theirs = build_unets(torch.device("cpu"), trained_like=True)
-    model = instantiate_from_config(original_config(UNET_PARAMS)["model"])
-    model.backbone.load_state_dict(ours.state_dict())
-    settings = {"rank": LORA_RANK, "alpha": LORA_RANK, "targets": ["attn"], "init": "gaussian"}
-    lora.add_adapters(model, lora.parse_settings(settings))
-    if dtype != torch.float32:
-        lora.hold_frozen_in(model.model, dtype)
-    backbone = model.backbone
-    del model, ours  # the VAE and text encoder go: only the UNets are compared
-
-    theirs.requires_grad_(False)
-    theirs.to(dtype)
-    theirs.add_adapter(
-        LoraConfig(
-            r=LORA_RANK,
-            lora_alpha=LORA_RANK,
-            init_lora_weights="gaussian",
-            target_modules=LORA_TARGETS,
-        )
-    )
-    for param in theirs.parameters():  # diffusers' cast_training_params
-        if param.requires_grad:
-            param.data = param.data.float()
-    return backbone.to(device).train(), theirs.to(device).train()
-
-
-def lora_optimizer(model) -> torch.optim.Optimizer:
-    """The same for both sides: ours (fused AdamW) over the trainable (adapter) weights."""
-    return build_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-
-def lora_memory_child(which: str, device) -> None:
-    """Its own process: peak memory of one LoRA training step (fp32), as `memory_child`."""
-    ours, theirs = build_lora_unets(device)
-    model = ours if which == "ours" else theirs
-    del ours, theirs
-    optimizer = lora_optimizer(model)
-    batch = inputs(device)
-    train_step(model, optimizer, batch, torch.float32)  # allocates the optimizer state
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        train_step(model, optimizer, batch, torch.float32)
-        peak = torch.cuda.max_memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")
-        train_step(model, optimizer, batch, torch.float32)
-        peak = _proc_status("VmHWM")
-    print(json.dumps({"peak": peak}))
-
-
-def lora_section(args, device) -> list[str]:
-    rows = [
-        f"| LoRA train step (rank {LORA_RANK}, attn; batch 4, 32x32, ch 128) | dtype | img/s "
-        "| speed vs diffusers+peft | peak memory | memory vs diffusers+peft |",
-        "|---|---|---|---|---|---|",
-    ]
-    peaks = {}
-    for which in ("diffusers", "ours"):  # each in its own process, as in memory_section
-        out = subprocess.run(
-            [sys.executable, __file__, "--lora-memory-child", which, "--device", str(device)],
-            capture_output=True,
-            text=True,
-            check=True,
-            env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
-        )
-        peaks[which] = json.loads(out.stdout.strip().splitlines()[-1])["peak"]
-    batch = inputs(device)
-    dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
-    for name in dtypes:
-        dtype = DTYPES[name]
-        models = dict(zip(("ours", "diffusers"), build_lora_unets(device, dtype)))
-        trainable = {
-            k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()
-        }
-        assert trainable["ours"] == trainable["diffusers"], trainable  # the same adapters
-        steps = {
-            label: lambda m=model, o=lora_optimizer(model), d=dtype: train_step(m, o, batch, d)
-            for label, model in models.items()
-        }
-        results = alternated_median_seconds(steps, device, args.steps, args.warmup)
-        for label in ("diffusers", "ours"):
-            memory = (
-                f"{peaks[label] / 2**20:.0f} MiB | {peaks[label] / peaks['diffusers']:.2f}x"
-                if name == "fp32"
-                else " | "
-            )
-            rows.append(
-                f"| {label} | {name} | {BATCH / results[label]:.2f} | "
-                f"{results['diffusers'] / results[label]:.2f}x | {memory} |"
-            )
-            print(rows[-1], flush=True)
-        del models, steps
-    return rows
-
-
 def data_section(args) -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from benchmark_data import loader_table
@@ -578,6 +473,9 @@ def data_section(args) -> list[str]:
         return loader_table(data_args, Path(tmp))
 
 
+SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -585,8 +483,8 @@ def main() -> None:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=["train", "memory", "sampling", "data", "dit", "cache", "lora"],
-        default=["train", "memory", "sampling", "data", "dit", "cache", "lora"],
+        choices=SECTIONS,
+        default=SECTIONS,
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument(
@@ -610,18 +508,24 @@ def main() -> None:
         memory_child(args.memory_child, args.checkpointing, device)
         return
     if args.lora_memory_child:
+        from benchmark_lora import lora_memory_child
+
         lora_memory_child(args.lora_memory_child, device)
         return
     print(
         f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}",
         flush=True,
     )
+    from benchmark_lora import lora_section
+    from benchmark_vae import vae_section
+
     sections = {
         "train": train_section,
         "memory": memory_section,
         "sampling": sampling_section,
         "dit": dit_section,
         "lora": lora_section,
+        "vae": vae_section,
     }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:

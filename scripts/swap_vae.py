@@ -9,11 +9,17 @@ a standalone VAE file, or a full SD checkpoint (`first_stage_model.*`); `--ema` 
 weights of a training checkpoint. With `--ckpt` every `first_stage_model.*` weight of the
 diffusion checkpoint is replaced (same names and shapes, or the script stops naming the first
 mismatch); without it the VAE alone is written with the original bare names, the layout
-AUTOMATIC1111 and ComfyUI load as a VAE file. Output is `.safetensors`.
+AUTOMATIC1111 and ComfyUI load as a VAE file (and diffusers' `AutoencoderKL.from_single_file`).
+Output is `.safetensors`. `--to-diffusers DIR` also writes a diffusers `AutoencoderKL` folder
+(config.json + diffusion_pytorch_model.safetensors, for `AutoencoderKL.from_pretrained(DIR)`):
+
+    python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt --ema --to-diffusers myvae
 """
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,6 +31,7 @@ from ldm.checkpoint import (
     save_safetensors,
     state_dict_of,
 )
+from ldm.layout import diffusers_vae
 
 VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
@@ -68,12 +75,21 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vae", required=True, help="trained VAE (.ckpt / .safetensors)")
     parser.add_argument("--ckpt", help="SD checkpoint to put it into (omit: write the VAE alone)")
-    parser.add_argument("--out", required=True, help="output .safetensors")
+    parser.add_argument("--out", help="output .safetensors")
+    parser.add_argument(
+        "--to-diffusers", metavar="DIR", help="write a diffusers AutoencoderKL folder"
+    )
+    parser.add_argument(
+        "--scaling-factor", type=float, default=0.18215, help="diffusers config (SDXL: 0.13025)"
+    )
+    parser.add_argument("--size", type=int, default=512, help="diffusers config's sample_size")
     parser.add_argument("--ema", action="store_true", help="take the VAE's EMA weights")
     parser.add_argument("--half", action="store_true", help="write float16 weights")
     parser.add_argument("--unsafe-load", action="store_true", help="trust pickled code")
     opt = parser.parse_args(argv)
-    if not opt.out.endswith(".safetensors"):
+    if not opt.out and not opt.to_diffusers:
+        parser.error("give --out FILE, --to-diffusers DIR, or both")
+    if opt.out and not opt.out.endswith(".safetensors"):
         print(f"error: --out {opt.out}: expected a .safetensors file name", file=sys.stderr)
         return 2
     try:
@@ -85,9 +101,27 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
-    save_safetensors(state, opt.out, dtype=torch.float16 if opt.half else None)
-    print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
+    dtype = torch.float16 if opt.half else None
+    if opt.out:
+        save_safetensors(state, opt.out, dtype=dtype)
+        print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
+    if opt.to_diffusers:
+        write_diffusers(vae, Path(opt.to_diffusers), dtype, opt.scaling_factor, opt.size)
+        print(f"wrote diffusers AutoencoderKL to {opt.to_diffusers}")
     return 0
+
+
+def write_diffusers(vae: dict, folder: Path, dtype, scaling_factor: float, size: int) -> None:
+    """A diffusers `AutoencoderKL` folder, names by the layout layer's rule (no diffusers needed)."""
+    config = diffusers_vae.diffusers_config(vae, scaling_factor, size)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_safetensors(
+        diffusers_vae.to_diffusers(vae),
+        folder / "diffusion_pytorch_model.safetensors",
+        dtype=dtype,
+        metadata={"format": "pt"},
+    )
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,34 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
         assert torch.equal(state[enc], start[f"first_stage_model.{enc}"])
         dec = "decoder.conv_out.weight"
         assert not torch.equal(state[dec], start[f"first_stage_model.{dec}"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "strategy, key, says",
+    [
+        ("deepspeed", "lightning.strategy:", "use strategy: ddp"),
+        ("fsdp", "lightning.strategy:", "use strategy: ddp"),
+        ("ddp", "lightning.strategy.params.find_unused_parameters:", "must be true"),
+    ],
+)
+def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
+    tmp_path, shapes_dir, strategy, key, says
+):
+    """Two optimizers by manual optimization: not under DeepSpeed (one optimizer) or FSDP, and
+    under DDP only with find_unused_parameters (configs/lightning/ddp.yaml has it false)."""
+    logs = tmp_path / "logs"
+    args = ["--base", str(ROOT / "configs" / "autoencoder" / "tiny.yaml")]
+    if strategy == "ddp":
+        args.append(str(ROOT / "configs" / "lightning" / "ddp.yaml"))
+    else:
+        args.append(f"lightning.strategy={strategy}")
+    args += [
+        f"data.params.train.params.data_root={shapes_dir}",
+        "lightning.trainer.accelerator=cpu",
+    ]
+    result = run_main([*args, "lightning.trainer.devices=2", "-l", str(logs), "-t"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
+    assert key in line and says in line and "Traceback" not in result.stderr
+    assert not logs.exists() or not any(logs.iterdir())

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, backbone_key, ema_key, without_wrapper_levels
+from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key, without_wrapper_levels
 from lun.atomic_io import materialized
 from lun.strategies import gathered_parameters, shards_weights
 
@@ -141,6 +141,15 @@ class EMA(Callback):
         """
         named = pl_module.ema_module.named_parameters()
         return {without_wrapper_levels(name): p for name, p in named if p.requires_grad}
+
+    @staticmethod
+    def _checkpoint_keys(pl_module) -> dict[str, str]:
+        """Name in `ema_module` -> the weight's key in the module's state dict: found by the
+        parameter itself, so it holds for a submodule (`model.` + name for LatentDiffusion.model)
+        and for a view of the module's own parts (the autoencoder's generator: the same names)."""
+        own = {id(p): without_wrapper_levels(n) for n, p in pl_module.named_parameters()}
+        named = pl_module.ema_module.named_parameters()
+        return {without_wrapper_levels(n): own[id(p)] for n, p in named if p.requires_grad}
 
     @contextmanager
     def _full_weights(self, pl_module, modify: bool = False) -> Iterator[dict[str, torch.Tensor]]:
@@ -266,8 +275,9 @@ class EMA(Callback):
             # Saved from inside an EMA block: the module's weights are the EMA; store the raw ones.
             if pl_module.device.type != "cpu":
                 torch.accelerator.synchronize(pl_module.device)
+            keys = self._checkpoint_keys(pl_module)
             for name, raw in self._staging.items():
-                state[backbone_key(name)] = raw
+                state[keys[name]] = raw
         for name, shadow in self.shadows.items():
             state[ema_key(name)] = shadow
         state[DECAY_KEY] = torch.tensor(self.decay, dtype=torch.float32)

@@ -298,20 +298,50 @@ def test_fp16_kl_of_a_large_logvar_is_finite():
     assert math.isfinite(float(loss))
 
 
+def fp16_plugins() -> list:
+    """Lightning turns CPU 16-mixed into bf16: ask for fp16 (and a loss scaler) itself."""
+    return [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+
+
+@pytest.mark.slow
+def test_fp16_gradient_scalers_resume(tmp_path):
+    """Both scalers come back from a checkpoint (Lightning restores the generator's through the
+    precision plugin; the discriminator's is the module's own entry, loaded after `setup`)."""
+    vae = make_vae(disc_start=0)
+    fit(vae, steps=2, plugins=fp16_plugins(), precision=None, n=4, size=16)
+    generator, discriminator = (s.state_dict() for s in vae._grad_scalers)
+    assert discriminator["_growth_tracker"] == 2  # two steps on: not a fresh scaler's state
+    vae.trainer.save_checkpoint(tmp_path / "vae.ckpt")
+    resumed = make_vae(seed=1, disc_start=0)
+    trainer = pl.Trainer(
+        plugins=fp16_plugins(), accelerator="cpu", max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(resumed, loader(4, 16), ckpt_path=tmp_path / "vae.ckpt")
+    assert resumed._grad_scalers[0].state_dict() == generator
+    assert resumed._grad_scalers[1].state_dict() == discriminator
+
+
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_mixed_precision_training_stays_finite(tmp_path, precision):
     torch.manual_seed(0)
     vae = overflowing_vae(True)
     vae.loss.disc_start = 1
     guard = NaNGuard(max_consecutive=1, dirpath=str(tmp_path))
-    plugins = []
-    if precision == "16-mixed":  # Lightning turns CPU 16-mixed into bf16: ask for fp16 itself
-        plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
-        precision = None
-    fit(vae, steps=2, precision=precision, callbacks=[guard], n=4, plugins=plugins, size=16)
+    fp16 = precision == "16-mixed"
+    plugins = fp16_plugins() if fp16 else []
+    fit(
+        vae,
+        steps=2,
+        precision=None if fp16 else precision,
+        callbacks=[guard],
+        n=4,
+        plugins=plugins,
+        size=16,
+    )
     assert guard.skipped_steps == 0
     assert all(torch.isfinite(p).all() for p in vae.parameters())
-    if precision == "16-mixed":
+    if fp16:
         generator, discriminator = vae._grad_scalers
         assert generator is not discriminator
         assert generator.get_scale() < 2.0**16  # started below the per-pixel-mean default
@@ -369,3 +399,61 @@ def test_first_stage_trainable_is_accepted_and_the_vae_stays_frozen(caplog):
     warnings = [r.getMessage() for r in caplog.records]
     assert any("first_stage_trainable: true" in w and "not optimised" in w for w in warnings)
     assert any("lossconfig" in w and "no effect" in w for w in warnings)
+
+
+def test_the_discriminator_step_sees_the_updated_generators_reconstructions():
+    """The original ran training_step again for optimizer_idx 1, after the generator's step: the
+    discriminator's fakes come from the updated weights, not from the generator's forward."""
+    vae = make_vae(disc_start=0)
+    vae.learning_rate = 1e-2  # a step that visibly moves the reconstructions
+    with torch.no_grad():  # a posterior of std exp(-15): its sample is the mean (no noise)
+        half = vae.quant_conv.out_channels // 2
+        vae.quant_conv.weight[half:] = 0.0
+        vae.quant_conv.bias[half:] = -30.0
+    x = images(2, 16)  # the one batch fit() trains on
+    before = vae(x, sample_posterior=False)[0].detach()
+    seen = []
+    vae.loss.discriminator.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
+    fit(vae, steps=1, n=2)
+    after = vae(x, sample_posterior=False)[0].detach()
+    fake = seen[-1]  # discriminator_loss: D(real), then D(fake)
+    assert torch.allclose(fake, after, atol=1e-4)
+    assert not torch.allclose(fake, before, atol=1e-2)
+
+
+def test_ema_checkpoint_keeps_the_original_names_saved_inside_an_ema_block(tmp_path):
+    """Saved while the EMA weights are swapped in (validation, the image logger): the raw weights
+    stay under the VAE's own names and the shadows under LitEma's rule (`model_ema.` + the name
+    without dots), so the file loads as a VAE and `swap_vae.py --ema` finds the average."""
+    from safetensors.torch import load_file
+    from swap_vae import main as swap_vae
+
+    from ldm.autoencoder import AutoencoderKL
+    from lun.callbacks.ema import EMA, ema_weights
+
+    vae = make_vae()
+    vae.learning_rate = 1e-2
+    trainer = fit(vae, steps=2, callbacks=[EMA(decay=0.5, async_update=False)])
+    raw = snapshot(vae)
+    with ema_weights(trainer, vae):
+        averaged = snapshot(vae)
+        trainer.save_checkpoint(tmp_path / "vae.ckpt")
+    state = torch.load(tmp_path / "vae.ckpt", weights_only=True)["state_dict"]
+    assert not any(k.startswith("model.") for k in state)
+    name = "decoder.conv_out.weight"
+    assert torch.equal(state[name], raw[name])
+    assert torch.equal(state["model_ema.decoderconv_outweight"], averaged[name])
+    assert not torch.equal(raw[name], averaged[name])
+    AutoencoderKL(DDCONFIG, 4, ckpt_path=str(tmp_path / "vae.ckpt"))  # strict: the raw weights
+    out = tmp_path / "ema.safetensors"
+    assert swap_vae(["--vae", str(tmp_path / "vae.ckpt"), "--ema", "--out", str(out)]) == 0
+    assert torch.equal(load_file(out)[name], averaged[name])
+    # Training resumes from it (the shadows go to the EMA callback, not the module).
+    resumed = make_vae(seed=1)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[EMA(decay=0.5, async_update=False)],
+    )  # fmt: skip
+    trainer.fit(resumed, loader(8, 16), ckpt_path=tmp_path / "vae.ckpt")
+    assert trainer.global_step == 3
