@@ -120,6 +120,9 @@ def main(argv=None) -> int:
             raise
         print(f"training stopped: {err}", file=sys.stderr)  # the guard saved the last good state
         return 1
+    finally:  # called in-process (tests), a handler left on an old stderr would outlive it
+        for name in ("ldm", "lun"):
+            logging.getLogger(name).removeHandler(handler)
 
 
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:

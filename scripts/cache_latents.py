@@ -171,13 +171,18 @@ def main(argv=None) -> int:
     opt, dotlist = parse_args(argv)
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    handler.cache_latents = True
-    for name in ("ldm", "lun"):
-        logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if getattr(h, "cache_latents", False)]:
-            logger.removeHandler(old)  # of an earlier call in this process, on an older stderr
+    loggers = [logging.getLogger(name) for name in ("ldm", "lun")]
+    for logger in loggers:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+    try:
+        return _main(opt, dotlist, argv)
+    finally:  # called in-process (tests), a handler left on an old stderr would outlive it
+        for logger in loggers:
+            logger.removeHandler(handler)
+
+
+def _main(opt, dotlist, argv) -> int:
     if opt.processes > 1 and "RANK" not in os.environ:
         return spawn(opt, argv)
     from lun.config import ConfigError

@@ -72,7 +72,9 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
         return tiny_dit_overrides(model)
     if unet.params.model_channels <= TINY_WIDTH:
         return []
-    if params.conditioner_config.target.endswith("GeneralConditioner"):  # SDXL
+    if "conditioner_config" in params and params.conditioner_config.target.endswith(
+        "GeneralConditioner"
+    ):  # SDXL
         return [*tiny_sdxl_overrides(model), "model.params.image_size=16"]
     vae_key, vae = part(params, "first_stage_config")
     text_key, text = part(params, "cond_stage_config", "conditioner_config")

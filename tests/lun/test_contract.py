@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = {"ema_module", "log_images", "latent_shape", "default_image_size"}
 # What every LightningModule has (Lightning's own API), which lun may also use.
 LIGHTNING_API = {"device", "training", "train", "eval", "log", "trainer", "_trainer", "global_step"}
+# Whether the module steps its own optimizers (the VAE trainer): Lightning's flag.
+LIGHTNING_API |= {"automatic_optimization"}
 MODULE_API = {"named_parameters"}  # torch.nn.Module: where a weight sits in the checkpoint
 
 

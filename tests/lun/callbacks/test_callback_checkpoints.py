@@ -34,6 +34,7 @@ def test_default_set_names_and_opt_ins(tmp_path):
         "epoch_stats",
         "rng_state",
         "nan_guard",
+        "throughput",
     } == set(with_val)
     assert "best_checkpoint" not in default_callback_configs(run, has_validation=False)
     assert "ema" in default_callback_configs(run, has_validation=False, use_ema=True)
