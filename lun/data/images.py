@@ -195,20 +195,6 @@ def to_tensor(image: Image.Image) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-def load_image_tensor(
-    source: str | IO[bytes],
-    size: tuple[int, int],
-    interpolation: str = "bicubic",
-    crop: str = "center",
-    flip_p: float = 0.0,
-    rng: random.Random | None = None,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-) -> torch.Tensor:
-    """decode -> resize to cover `size` (width, height) -> crop -> flip -> (3, H, W) in [-1, 1]."""
-    image = decode_image(source, cover=size, max_pixels=max_pixels)
-    return to_tensor(resize_crop(image, size, interpolation, crop, flip_p, rng))
-
-
 def load_image_sample(
     source: str | IO[bytes],
     size: tuple[int, int],
@@ -218,11 +204,17 @@ def load_image_sample(
     rng: random.Random | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict:
-    """`load_image_tensor` as a sample: `{"image": (3, H, W)}` and its size / crop geometry
-    (`resize_crop_geometry`), which size-conditioned models (SDXL) read."""
+    """decode -> resize to cover `size` (width, height) -> crop -> flip: `{"image": (3, H, W) in
+    [-1, 1]}` and its size / crop geometry (`resize_crop_geometry`), which SDXL's size
+    conditioning reads."""
     image = decode_image(source, cover=size, max_pixels=max_pixels)
     image, geometry = resize_crop_geometry(image, size, interpolation, crop, flip_p, rng)
     return {"image": to_tensor(image), **geometry}
+
+
+def load_image_tensor(*args, **kwargs) -> torch.Tensor:
+    """`load_image_sample`'s image alone, for datasets without size conditioning."""
+    return load_image_sample(*args, **kwargs)["image"]
 
 
 def check_choice(name: str, value: str, choices) -> str:
