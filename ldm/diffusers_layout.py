@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ldm import checkpoint
+from ldm.layout import diffusers_vae
 from ldm.schedule import schedule_betas, schedule_buffers
 
 UNET_PREFIX = checkpoint.BACKBONE_PREFIX + "diffusion_model."
@@ -274,49 +275,13 @@ def unet_to_original(state: dict, config: dict, source: Path) -> dict:
 
 
 # --- VAE ------------------------------------------------------------------------------------
-VAE_ATTENTION = {
-    "group_norm.": "norm.",
-    "to_q.": "q.",
-    "to_k.": "k.",
-    "to_v.": "v.",
-    "to_out.0.": "proj_out.",
-    # diffusers < 0.14 names
-    "query.": "q.",
-    "key.": "k.",
-    "value.": "v.",
-    "proj_attn.": "proj_out.",
-}
-
-
-def vae_to_original(state: dict, config: dict, source: Path) -> dict:
-    levels = len(config["block_out_channels"])
-    table = {
-        "encoder.conv_norm_out.": "encoder.norm_out.",
-        "decoder.conv_norm_out.": "decoder.norm_out.",
-    }
-    for side in ("encoder", "decoder"):
-        for k in range(2):
-            table[f"{side}.mid_block.resnets.{k}."] = f"{side}.mid.block_{k + 1}."
-        table[f"{side}.mid_block.attentions.0."] = f"{side}.mid.attn_1."
-    for i in range(levels):
-        table[f"encoder.down_blocks.{i}.resnets."] = f"encoder.down.{i}.block."
-        table[f"encoder.down_blocks.{i}.downsamplers.0."] = f"encoder.down.{i}.downsample."
-        # The decoder's up_blocks run from the lowest resolution; the original's `up` from the
-        # highest.
-        table[f"decoder.up_blocks.{i}.resnets."] = f"decoder.up.{levels - 1 - i}.block."
-        table[f"decoder.up_blocks.{i}.upsamplers.0."] = f"decoder.up.{levels - 1 - i}.upsample."
-    out = {}
-    for key, value in state.items():
-        name = _renamed(key, table) or key
-        if ".mid.attn_1." in name:
-            head, _, tail = name.rpartition(".mid.attn_1.")
-            tail = _renamed(tail, VAE_ATTENTION) or tail
-            name = f"{head}.mid.attn_1.{tail}"
-            if value.ndim == 2:  # linear -> the original 1x1 convolution
-                value = value[:, :, None, None]
-        name = name.replace(".conv_shortcut.", ".nin_shortcut.")
-        out[VAE_PREFIX + name] = value
-    return out
+def vae_to_original(state: dict, source: Path) -> dict:
+    """The VAE's names are ldm.layout.diffusers_vae's rules (shared with --vae and swap_vae)."""
+    try:
+        bare = diffusers_vae.from_diffusers(state)
+    except KeyError as err:
+        raise DiffusersFolderError(f"{source}: {err.args[0]}") from None
+    return {VAE_PREFIX + name: value for name, value in bare.items()}
 
 
 # --- text towers ----------------------------------------------------------------------------
@@ -411,10 +376,8 @@ def original_state(folder: Path, unsafe: bool = False) -> tuple[dict, FolderInfo
     info = describe(folder)
     unet_config = read_json(folder / "unet" / "config.json")
     state = unet_to_original(load_component(folder / "unet", unsafe), unet_config, folder / "unet")
-    vae_config = read_json(folder / "vae" / "config.json")
-    state.update(
-        vae_to_original(load_component(folder / "vae", unsafe), vae_config, folder / "vae")
-    )
+    read_json(folder / "vae" / "config.json")  # names a missing config
+    state.update(vae_to_original(load_component(folder / "vae", unsafe), folder / "vae"))
     for name, prefix in zip(TEXT_FOLDERS[info.family], TEXT_PREFIXES[info.family]):
         read_json(folder / name / "config.json")  # names a missing tower
         weights = load_component(folder / name, unsafe)

@@ -270,7 +270,7 @@ def test_sdxl_full_size_keys_equal_the_reference():
         text_2 = CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_BIG_G)).state_dict()
     source = Path("folder")
     state = diffusers_layout.unet_to_original(unet, SDXL_UNET, source)
-    state |= diffusers_layout.vae_to_original(vae, SDXL_VAE, source)
+    state |= diffusers_layout.vae_to_original(vae, source)
     state |= diffusers_layout.clip_to_original(text, "conditioner.embedders.0.transformer.")
     state |= diffusers_layout.open_clip_to_original(
         text_2, "conditioner.embedders.1.model.", source
@@ -328,7 +328,7 @@ def test_sd_full_size_keys_equal_the_reference(family):
         text = CLIPTextModel(CLIPTextConfig(**text_config)).state_dict()
     source = Path("folder")
     state = diffusers_layout.unet_to_original(unet, unet_config, source)
-    state |= diffusers_layout.vae_to_original(vae, SD_VAE, source)
+    state |= diffusers_layout.vae_to_original(vae, source)
     if family == "sd1":
         state |= diffusers_layout.clip_to_original(text, prefix)
     else:
