@@ -123,6 +123,15 @@ def main(argv=None) -> int:
     finally:  # called in-process (tests), a handler left on an old stderr would outlive it
         for name in ("ldm", "lun"):
             logging.getLogger(name).removeHandler(handler)
+        release_process_group()
+
+
+def release_process_group() -> None:
+    """Close the DDP process group before exit: left to interpreter shutdown, gloo's threads can
+    abort a finished run ("terminate called without an active exception", exit -6)."""
+    dist = sys.modules.get("torch.distributed")  # never imported: nothing to close
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:

@@ -306,6 +306,8 @@ trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=4, 
     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     use_distributed_sampler=False, callbacks=[throughput])
 trainer.fit(TinyDiffusion(), data)
+import torch.distributed
+torch.distributed.destroy_process_group()  # as main.py does: gloo can abort at exit otherwise
 with open(sys.argv[2] + f"/rank{rank}.json", "w") as f:
     json.dump([[w.images, w.images_per_s, w.mfu] for w in throughput.windows], f)
 """
