@@ -1,6 +1,9 @@
 """Helpers the end-to-end tests share (imported by name; conftest modules cannot be)."""
 
+import contextlib
 import importlib.util
+import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +31,21 @@ def load_main():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_main_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """main.py's main(ARGS) in this process, its output captured like run_main's.
+
+    For runs that stop at a config error or only build the model: a subprocess spends seconds
+    importing torch and Lightning again for each case. Runs that train stay in subprocesses (a
+    run sets the global seed and threads, and a real launch is what they check).
+    """
+    out, err = io.StringIO(), io.StringIO()
+    old_cwd = os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = load_main().main([str(a) for a in args])
+    finally:
+        os.chdir(old_cwd)
+    return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())

@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, run_main, run_main_here
 
 from lun.config import (
     ConfigError,
@@ -103,7 +103,7 @@ def test_compvis_style_config_trains_with_one_notice_per_legacy_key(tmp_path, sh
 )
 def test_bad_legacy_value_is_one_line_exit_2(tmp_path, shapes_dir, args, message):
     fill = [f"data.params.train.params.data_root={shapes_dir}"]
-    result = run_main(["--base", str(TINY), *fill, *args, "-l", str(tmp_path)], cwd=tmp_path)
+    result = run_main_here(["--base", TINY, *fill, *args, "-l", tmp_path], cwd=tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
     assert len(lines) == 1 and message in lines[0], result.stderr[-3000:]
@@ -113,9 +113,8 @@ def test_bad_legacy_value_is_one_line_exit_2(tmp_path, shapes_dir, args, message
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
 def test_gpus_option_becomes_accelerator_and_devices(tmp_path, shapes_dir):
-    result = run_main(
-        ["--base", str(TINY), "--data_root", str(shapes_dir), "--gpus", "0,", "-l", str(tmp_path)],
-        cwd=tmp_path,
+    result = run_main_here(
+        ["--base", TINY, "--data_root", shapes_dir, "--gpus", "0,", "-l", tmp_path], cwd=tmp_path
     )
     assert result.returncode == 2
     assert len(notices(result.stderr, "--gpus 0, is a legacy option: now")) == 1, result.stderr
@@ -129,13 +128,13 @@ def test_tilde_on_the_command_line_deletes_a_key(tmp_path, shapes_dir):
     extra.write_text("data:\n  params:\n    train:\n      params:\n        bogus_key: 1\n")
     files = ["--base", str(TINY), str(extra)]
     rest = ["--data_root", str(shapes_dir), "-l", str(tmp_path)]
-    refused = run_main([*files, *rest], cwd=tmp_path)
+    refused = run_main_here([*files, *rest], cwd=tmp_path)
     assert refused.returncode == 2 and "bogus_key" in refused.stderr
     # Among --base's files (as `key=value` overrides may be), not read as a file name.
-    result = run_main([*files, "~data.params.train.params.bogus_key", *rest], cwd=tmp_path)
+    result = run_main_here([*files, "~data.params.train.params.bogus_key", *rest], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     # After the other options too.
-    result = run_main([*files, *rest, "~data.params.train.params.bogus_key"], cwd=tmp_path)
+    result = run_main_here([*files, *rest, "~data.params.train.params.bogus_key"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import ROOT, load_main, run_main
+from run_helpers import ROOT, load_main, run_main, run_main_here
 
 from lun.data import DataModule
 
@@ -45,7 +45,7 @@ def load(path: Path) -> dict:
 )
 def test_bad_config_is_one_line_and_exit_status_2(tmp_path, tiny_config, shapes_dir, args, message):
     fill = [] if not args else [data_root(shapes_dir)]
-    result = run_main(["--base", str(tiny_config), *fill, *args, "-l", str(tmp_path)], cwd=tmp_path)
+    result = run_main_here(["--base", tiny_config, *fill, *args, "-l", tmp_path], cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("config error")]
     assert len(lines) == 1 and message in lines[0], result.stderr
