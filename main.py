@@ -45,14 +45,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "-n", "--name", default="", help="run name (default: first config's file name)"
     )
-    parser.add_argument("-r", "--resume", default="", help="run folder or .ckpt to resume from")
+    parser.add_argument(
+        "-r", "--resume", default="", help="run folder, .ckpt or run URL (s3://...) to resume from"
+    )
     parser.add_argument(
         "--unsafe-load",
         action="store_true",
         help="resume from a checkpoint holding pickled code (only one you trust)",
     )
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
-    parser.add_argument("-l", "--logdir", default="logs", help="parent folder of run folders")
+    parser.add_argument(
+        "-l", "--logdir", default="logs", help="parent folder of run folders, or a URL (s3://...)"
+    )
     parser.add_argument("-f", "--postfix", default="", help="appended to the run folder's name")
     parser.add_argument("--no-test", action="store_true", help="skip the test split after training")
     parser.add_argument(

@@ -264,8 +264,9 @@ def test_data_read_from_s3_gives_the_same_batches_as_the_local_copy(
     monkeypatch.setattr("lun.storage.EVICT_GRACE_S", 0.0)
     got = batches({"target": "lun.data.local.Local", "params": on_s3})
     assert_same_batches(got, expected)
-    cached = [p for p in (tmp_path / "file-cache").rglob("*") if p.is_file()]
-    assert 0 < sum(p.stat().st_size for p in cached) < 10_000
+    cached = sum(p.stat().st_size for p in (tmp_path / "file-cache").rglob("*") if p.is_file())
+    assert sum(p.stat().st_size for p in shapes_dir.rglob("*") if p.is_file()) > 10_000
+    assert 0 < cached <= 5_000
 
     images = sorted((shapes_dir / "images").glob("*.png"))
     for shard in range(2):
