@@ -101,21 +101,28 @@ def test_a_run_on_s3_is_killed_and_resumes_from_s3_bitwise_exactly(s3, tmp_path,
     assert straight.returncode == 0, straight.stderr[-3000:]
     (straight_run,) = (tmp_path / "straight").iterdir()
 
-    # The interrupted run writes to s3:// (with TensorBoard on) from one machine's staging ...
+    # The interrupted run reads its data from s3:// and writes its folder there (with TensorBoard
+    # on), staged on one machine ...
+    fs.put(str(shapes_dir), "lun-test/e2e/shapes", recursive=True)
     args = demo_args(shapes_dir, tmp_path / "unused", AT_EPOCH_END)
+    args[args.index(f"data.params.train.params.data_root={shapes_dir}")] = (
+        "data.params.train.params.data_root=s3://lun-test/e2e/shapes"
+    )
     args[args.index("-l") + 1] = "s3://lun-test/runs"
     args[args.index("lightning.logger=false")] = "lightning.logger=null"
     env = {**os.environ, "LUN_STAGING_DIR": str(tmp_path / "machine-1")}
+    env["LUN_FILE_CACHE"] = str(tmp_path / "machine-1-files")
     stopped_at = kill_after_first_upload(args, tmp_path, env, fs, "lun-test/runs")
     assert 0 < stopped_at < STEPS and stopped_at % AT_EPOCH_END == 0
     (run,) = fs.ls("lun-test/runs", refresh=True)
 
     # ... and resumes on another, which has only the URL.
     env["LUN_STAGING_DIR"] = str(tmp_path / "machine-2")
+    env["LUN_FILE_CACHE"] = str(tmp_path / "machine-2-files")
     resumed = run_main(["--resume", f"s3://{run}", "-t"], cwd=tmp_path, env=env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "random-number streams restored" in resumed.stderr
-    assert (tmp_path / "machine-2").is_dir()
+    assert (tmp_path / "machine-2").is_dir() and (tmp_path / "machine-2-files").is_dir()
 
     fs.invalidate_cache()  # this process's listings are from before the resume
     pointer = json.loads(fs.cat_file(f"{run}/checkpoints/LATEST"))
