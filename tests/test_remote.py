@@ -155,6 +155,7 @@ def test_a_killed_upload_never_leaves_the_pointer_naming_an_incomplete_checkpoin
     s3, tmp_path, staging, monkeypatch
 ):
     from lun.remote import RemoteRun, sha256_of
+    from lun.storage import StorageError
 
     remote = RemoteRun("s3://lun-test/killed/run")
     remote.run_dir.checkpoints.mkdir(parents=True)
@@ -193,6 +194,16 @@ def test_a_killed_upload_never_leaves_the_pointer_naming_an_incomplete_checkpoin
     remote.upload_checkpoint(local)  # retried once the store works again
     assert remote.pointer()["step"] == 4 and remote.pointer()["sha256"] == sha256_of(local)
     assert len(remote.fs.glob(f"{remote.path}/checkpoints/every-2-steps-*.ckpt")) == 1
+
+    # A download is checked against the pointer's size and sha256: a damaged object is refused.
+    named = f"{remote.path}/{remote.pointer()['checkpoint']}"
+    damaged = bytearray(remote.fs.cat_file(named))
+    damaged[-100] ^= 0xFF
+    remote.fs.pipe_file(named, bytes(damaged))
+    monkeypatch.setenv("LUN_STAGING_DIR", str(tmp_path / "third"))
+    with pytest.raises(StorageError, match="does not match the size and sha256"):
+        RemoteRun("s3://lun-test/killed/run").fetch_resume()
+    assert not list((tmp_path / "third").rglob("*.ckpt"))
 
 
 # --- errors: one line, exit 2, nothing created ----------------------------------------------------
