@@ -45,14 +45,18 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "-n", "--name", default="", help="run name (default: first config's file name)"
     )
-    parser.add_argument("-r", "--resume", default="", help="run folder or .ckpt to resume from")
+    parser.add_argument(
+        "-r", "--resume", default="", help="run folder, .ckpt or run URL (s3://...) to resume from"
+    )
     parser.add_argument(
         "--unsafe-load",
         action="store_true",
         help="resume from a checkpoint holding pickled code (only one you trust)",
     )
     parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
-    parser.add_argument("-l", "--logdir", default="logs", help="parent folder of run folders")
+    parser.add_argument(
+        "-l", "--logdir", default="logs", help="parent folder of run folders, or a URL (s3://...)"
+    )
     parser.add_argument("-f", "--postfix", default="", help="appended to the run folder's name")
     parser.add_argument("--no-test", action="store_true", help="skip the test split after training")
     parser.add_argument(
@@ -141,7 +145,8 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     # Heavy imports after argument parsing, so `--help` and config errors answer at once.
     from lightning.pytorch import seed_everything
 
-    from lun.run import check_strategy_fits, is_rank_zero, new_run_dir, resume_target, saved_configs
+    from lun.remote import new_run, resolve_resume
+    from lun.run import check_strategy_fits, is_rank_zero, resume_target, saved_configs
     from lun.trainer import build_data, build_model, build_trainer
 
     unknown = [a for a in dotlist if a.startswith("-")]
@@ -154,6 +159,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         raise ConfigError("give --resume or lightning.trainer.resume_from_checkpoint, not both")
     resume = opt.resume or legacy
     if resume:
+        resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
         run_dir, ckpt_path = resume_target(resume)
         from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
 
@@ -163,7 +169,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     else:
         cfg = cfg if cfg is not None else merge_configs([], dotlist)
         name = opt.name or (Path(opt.base[0]).stem if opt.base else "run")
-        run_dir = new_run_dir(opt.logdir, name, opt.postfix)
+        run_dir, remote = new_run(opt.logdir, name, opt.postfix)  # remote: mirrors a URL's
     translate_legacy_keys(cfg)
     if opt.data_root is not None:
         set_data_root(cfg, opt.data_root)
@@ -206,6 +212,8 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
 
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
         check_strategy_fits(model, trainer.strategy)
+        if remote is not None:
+            remote.attach(trainer)
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 
@@ -225,7 +233,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         run_dir.save_configs(as_written)
         if plan is not None:
             plan.save(run_dir.root / "memory-plan.json")
-        print(f"run folder: {run_dir.root}")
+        if remote is not None:
+            remote.sync()
+        print(f"run folder: {remote.url if remote else run_dir.root}")
     if not opt.train:
         return 0
     try:
@@ -241,6 +251,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         if exit_status(stop) is None:
             raise
         return exit_status(stop)
+    finally:
+        if remote is not None:
+            remote.sync()  # what the loggers wrote last, after every callback
     if not opt.no_test and "test" in data_params:
         trainer.test(model, datamodule=data)
     return 0

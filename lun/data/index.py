@@ -96,11 +96,13 @@ def default_cache_dir() -> str:
     return os.path.join(base, "lun", "index")
 
 
+def _absolute(root: str) -> str:
+    return root if "://" in root else os.path.abspath(root)  # a URL (lun.storage) as it is
+
+
 def cache_key(root: str, listing, options: dict) -> str:
     digest = hashlib.sha256()
-    digest.update(
-        json.dumps([CACHE_VERSION, os.path.abspath(root), options], sort_keys=True).encode()
-    )
+    digest.update(json.dumps([CACHE_VERSION, _absolute(root), options], sort_keys=True).encode())
     for rel, size, mtime in listing:
         digest.update(f"{rel}\0{size}\0{mtime}\n".encode())
     return digest.hexdigest()[:32]
@@ -164,8 +166,9 @@ def flat_records(listing) -> tuple[dict, list]:
     return records, skipped
 
 
-def read_aspects(root: str, records: dict, max_pixels: int) -> list:
-    """Fill records["aspect"] (width / height, EXIF-upright) from image headers where missing.
+def read_aspects(path_of, records: dict, max_pixels: int) -> list:
+    """Fill records["aspect"] (width / height, EXIF-upright) from image headers where missing;
+    `path_of` gives the local file of a path relative to data_root (lun.data.local.Local.path).
 
     Images whose header cannot be read are dropped from `records`; returns their
     [(path, reason, detail)].
@@ -175,7 +178,7 @@ def read_aspects(root: str, records: dict, max_pixels: int) -> list:
 
     def read(i):
         try:
-            width, height = image_size(os.path.join(root, records["image"][i]), max_pixels)
+            width, height = image_size(path_of(records["image"][i]), max_pixels)
             return width / height
         except ImageError as err:
             return err

@@ -50,6 +50,7 @@ from lun.data.index import (
 )
 from lun.data.metadata import MetadataParams, build_caption, metadata_records, select
 from lun.data.report import BadInputLog, decode_text
+from lun.storage import FileCache, is_url, join, list_files
 
 logger = logging.getLogger("lun.data")
 
@@ -153,7 +154,7 @@ class Local(torch.utils.data.Dataset):
         _accept_mode(mode)
         if not isinstance(data_root, str) or not data_root:
             raise ValueError(f"data_root={data_root!r}: expected the dataset's folder")
-        if not os.path.isdir(data_root):
+        if not is_url(data_root) and not os.path.isdir(data_root):
             what = "is not a folder" if os.path.exists(data_root) else "does not exist"
             raise ValueError(f"data_root={data_root!r} {what}: expected the dataset's folder")
         if isinstance(flip_p, bool) or not isinstance(flip_p, int | float) or not 0 <= flip_p <= 1:
@@ -169,6 +170,9 @@ class Local(torch.utils.data.Dataset):
         self.missing_caption = check_choice("missing_caption", missing_caption, ("empty", "skip"))
         self.flip_p = flip_p
         self.max_image_pixels = max_image_pixels
+        self._listing, self._cache = None, None  # a URL's objects and the local copies read
+        if is_url(data_root):
+            self._listing, self._cache = {}, FileCache()
         self.metadata = None
         if metadata_params is not None:
             self.metadata = MetadataParams.from_config(metadata_params)
@@ -206,7 +210,9 @@ class Local(torch.utils.data.Dataset):
     def _index(self, need_aspect: bool, cache_dir) -> tuple[list, dict]:
         """Walk the folder and build its records, or load them from the cache."""
         start = time.perf_counter()
-        listing = walk(self.data_root)
+        listing = list_files(self.data_root) if self._cache else walk(self.data_root)
+        if self._cache is not None:
+            self._listing = {rel: {"size": size, "version": stamp} for rel, size, stamp in listing}
         every_nth = self.metadata.consider_every_nth if self.metadata else None
         options = {
             "metadata": self.metadata is not None,
@@ -223,9 +229,9 @@ class Local(torch.utils.data.Dataset):
             if self.metadata is None:
                 records, skipped = flat_records(listing)
             else:
-                records, skipped, noted = metadata_records(self.data_root, listing, every_nth)
+                records, skipped, noted = metadata_records(self.path, listing, every_nth)
             if need_aspect:
-                skipped += read_aspects(self.data_root, records, self.max_image_pixels)
+                skipped += read_aspects(self.path, records, self.max_image_pixels)
             index = {"records": records, "skipped": skipped, "noted": noted}
             save_cached(cache_dir or None, key, index)
         for rel, reason, detail in index["skipped"]:
@@ -267,6 +273,14 @@ class Local(torch.utils.data.Dataset):
         keep_rows(records, keep)
         return records["caption"]
 
+    def path(self, rel: str) -> str:
+        """The local file of `rel`: under data_root, or a URL's copy in the file cache."""
+        if self._cache is None:
+            return os.path.join(self.data_root, rel)
+        if rel not in self._listing:
+            raise FileNotFoundError(join(self.data_root, rel))
+        return self._cache.local_path(join(self.data_root, rel), self._listing[rel])
+
     def __len__(self) -> int:
         return len(self._images)
 
@@ -286,7 +300,7 @@ class Local(torch.utils.data.Dataset):
         if not stored:
             return ""
         path = os.path.join(self.data_root, stored)
-        with open(path, "rb") as file:
+        with open(self.path(stored), "rb") as file:
             text, problem = decode_text(file.read())
         if problem is not None:
             self.bad_input.load_note(index, path, problem)
@@ -300,7 +314,11 @@ class Local(torch.utils.data.Dataset):
         for index in range(tried):
             path = os.path.join(self.data_root, self._images[index])
             try:
-                decode_image(path, cover=self.item_size(index), max_pixels=self.max_image_pixels)
+                decode_image(
+                    self.path(self._images[index]),
+                    cover=self.item_size(index),
+                    max_pixels=self.max_image_pixels,
+                )
                 return
             except (ImageError, OSError) as err:
                 self.bad_input.load_failed(index, path, err)
@@ -311,9 +329,13 @@ class Local(torch.utils.data.Dataset):
         )
 
     def _load(self, index: int, size: tuple[int, int]) -> dict:
-        path = os.path.join(self.data_root, self._images[index])
         sample = load_image_sample(
-            path, size, self.interpolation, self.crop, self.flip_p, max_pixels=self.max_image_pixels
+            self.path(self._images[index]),
+            size,
+            self.interpolation,
+            self.crop,
+            self.flip_p,
+            max_pixels=self.max_image_pixels,
         )  # image (3, H, W), its original size and crop (SDXL's size conditioning)
         return {**sample, "caption": self.caption(index)}
 

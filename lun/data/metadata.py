@@ -13,6 +13,7 @@ path, so the same config and seed give the same captions on every start, rank an
 `reshuffle_tag_p` draws afresh for every sample (under the batch's seeded streams, lun.rng).
 """
 
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -200,8 +201,9 @@ def image_path(path: str) -> str:
     return image
 
 
-def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, list, list]:
-    """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json`, the
+def metadata_records(path_of, listing, every_nth: int | None) -> tuple[dict, list, list]:
+    """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json` (`path_of`: the
+    local file of a path relative to data_root - lun.data.local.Local.path), the
     [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing,
     path outside data_root), and those of files kept with a problem (not UTF-8)."""
     sizes = {rel: size for rel, size, _ in listing}
@@ -211,15 +213,17 @@ def metadata_records(root: str, listing, every_nth: int | None) -> tuple[dict, l
     skipped, noted = [], []
     for rel in files:
         try:
-            with open(os.path.join(root, rel), "rb") as file:
+            with open(path_of(rel), "rb") as file:
                 text, problem = decode_text(file.read())
             meta = parse_metadata(text)
             image = image_path(meta["path"])
             if not is_image(image):
                 raise MetadataError("unsupported image type", image)
             size = sizes.get(image)
-            if size is None and os.path.isfile(os.path.join(root, image)):  # outside the walk
-                size = os.path.getsize(os.path.join(root, image))
+            if size is None:  # outside the walk (a hidden folder)
+                with contextlib.suppress(OSError):
+                    local = path_of(image)
+                    size = os.path.getsize(local) if os.path.isfile(local) else None
             if size is None:
                 raise MetadataError("image not found", image)
             if size == 0:

@@ -15,6 +15,7 @@ IterableDataset, so lun.data.DataModule loads them with `batch_size=None`:
   per worker in the log (logger "lun.data"); each worker summarises its drops after each epoch.
 """
 
+import contextlib
 import io
 import itertools
 import json
@@ -39,6 +40,7 @@ from lun.data.images import (
 )
 from lun.data.report import decode_text
 from lun.rng import seeded
+from lun.storage import filesystem, is_url, object_infos, open_cached, protocol
 
 logger = logging.getLogger("lun.data")
 
@@ -52,6 +54,9 @@ _COMPARE = {
     "==": lambda a, b: a == b,
     "!=": lambda a, b: a != b,
 }
+# URL schemes webdataset's `gopen` reads (curl and friends); other URLs go through fsspec
+# (lun.storage: s3://, gs://, ...), listed up front and read through the size-bounded file cache.
+GOPEN_SCHEMES = ("http", "https", "sftp", "ftps", "scp", "ais", "htgs", "hf")
 # Consecutive undecodable images after which the stream is declared broken rather than skipped.
 MAX_FRESH_FAILURES = 1000
 
@@ -343,6 +348,10 @@ class ShardStream(torch.utils.data.IterableDataset):
         return default_collate(batch)
 
 
+def on_fsspec(url: str) -> bool:
+    return is_url(url) and protocol(url) not in GOPEN_SCHEMES
+
+
 def expand_urls(urls) -> list[str]:
     """Brace-expand one pattern or a list of them: "shards/{000..099}.tar", "pipe:curl -s ..."."""
     patterns = [urls] if isinstance(urls, str) else list(urls)
@@ -353,8 +362,10 @@ class WebDataset(ShardStream):
     """WebDataset tar shards: `<key>.jpg|jpeg|png|webp` + `<key>.txt` (+ `<key>.json` metadata,
     + `<key>.cls` in class-conditional mode), e.g. as written by img2dataset.
 
-    urls: shard pattern(s) in brace notation - local paths, or `pipe:` commands writing a tar to
-        stdout ("pipe:aws s3 cp s3://bucket/{00000..00999}.tar -").
+    urls: shard pattern(s) in brace notation - local paths, fsspec URLs ("s3://bucket/
+        {00000..00999}.tar", "gs://...": read through a local cache bounded by
+        $LUN_FILE_CACHE_GB, see lun.storage), http(s) URLs, or `pipe:` commands writing a tar
+        to stdout.
     num_examples_to_see: samples per epoch over all ranks (sets the epoch's length).
     size, interpolation, crop, flip_p: as in lun.data.local.Local (captions are never dropped
         here: see `model.params.ucg_rate`).
@@ -380,11 +391,8 @@ class WebDataset(ShardStream):
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
     ):
         self.urls = expand_urls(urls)
-        missing = [
-            u
-            for u in self.urls
-            if "://" not in u and not u.startswith("pipe:") and not os.path.exists(u)
-        ]
+        self.infos = object_infos([u for u in self.urls if on_fsspec(u)])  # size, version
+        missing = [u for u in self.urls if not self._exists(u)]
         for url in missing:
             logger.warning("shard %s does not exist; left out", url)
         self.urls = [u for u in self.urls if u not in set(missing)]
@@ -404,6 +412,11 @@ class WebDataset(ShardStream):
             max_image_pixels,
         )
 
+    def _exists(self, url: str) -> bool:
+        if on_fsspec(url):
+            return url in self.infos
+        return "://" in url or url.startswith("pipe:") or os.path.exists(url)
+
     def shard_list(self) -> list[str]:
         return self.urls
 
@@ -411,7 +424,10 @@ class WebDataset(ShardStream):
         from webdataset.gopen import gopen
         from webdataset.tariterators import group_by_keys, tar_file_iterator
 
-        stream = gopen(url) if "://" in url or url.startswith("pipe:") else open(url, "rb")
+        if on_fsspec(url):
+            stream = open_cached(url, self.infos.get(url))
+        else:
+            stream = gopen(url) if "://" in url or url.startswith("pipe:") else open(url, "rb")
         try:
             files = ({**f, "__url__": url} for f in tar_file_iterator(stream))
             for sample in group_by_keys(files):
@@ -474,7 +490,11 @@ class Parquet(ShardStream):
         self.row_groups, rows = [], 0
         for path in expand_urls(paths):
             try:
-                metadata = parquet.ParquetFile(path).metadata
+                if on_fsspec(path):  # the footer only, by range requests
+                    with _fsspec_open(path) as file:
+                        metadata = parquet.ParquetFile(file).metadata
+                else:
+                    metadata = parquet.ParquetFile(path).metadata
             except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError)
                 logger.warning("parquet file %s unreadable, left out: %s", path, err)
                 continue
@@ -499,7 +519,11 @@ class Parquet(ShardStream):
 
     def read_shard(self, shard: tuple[str, int]):
         path, group = shard
-        file = _pyarrow_parquet().ParquetFile(path)
+        source = open_cached(path) if on_fsspec(path) else contextlib.nullcontext(path)
+        with source as opened:
+            yield from self._read_row_group(_pyarrow_parquet().ParquetFile(opened), path, group)
+
+    def _read_row_group(self, file, path: str, group: int):
         names = set(file.schema_arrow.names)
         wanted = [c for c in self.columns.values() if c in names]
         wanted += [k.split(".")[0] for k, _, _ in self.filters if k.split(".")[0] in names]
@@ -516,6 +540,11 @@ class Parquet(ShardStream):
                 "cls": row.get(self.columns["cls"]),
                 "meta": row,
             }
+
+
+def _fsspec_open(url: str):
+    fs, path = filesystem(url)
+    return fs.open(path, "rb")
 
 
 def _pyarrow_parquet():
