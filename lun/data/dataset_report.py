@@ -36,7 +36,7 @@ logger = logging.getLogger("lun.data")
 TOP_WORDS = 30  # most common tags / words listed
 SLOWEST = 10  # slowest decodes listed
 GROUPS_LISTED = 20  # duplicate groups listed in full
-NEAR_DUPLICATE_BITS = 4  # dHash Hamming distance (of 64 bits) that still counts as a duplicate
+NEAR_DUPLICATE_BITS = 3  # dHash Hamming distance (of 64 bits) that still counts as a duplicate
 DECODE_THREADS = 4  # Pillow releases the GIL while decoding: threads overlap decodes and reads
 SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
@@ -199,10 +199,11 @@ def score_report(dataset) -> dict | None:
 # ------------------------------------------------------------------------------------ buckets
 
 
-def bucket_report(dataset, batch_size: int, world_size: int, seed: int) -> dict:
-    """Images per bucket, the buckets smaller than a batch, and what the training sampler makes
-    of them on `world_size` ranks: steps per epoch per rank, the items no rank sees in an epoch
-    (dropped) and those served twice to fill batches and ranks (repeated)."""
+def bucket_report(dataset, batch_size: int, world_size: int, seed: int, train=True) -> dict:
+    """Images per bucket, the buckets smaller than a batch, and what the split's sampler (the
+    DataModule's: shuffled for training, in order otherwise) makes of them on `world_size`
+    ranks: steps per epoch per rank, the items no rank sees in an epoch (dropped) and those
+    served twice to fill batches and ranks (repeated)."""
     from lun.data.buckets import BucketBatchSampler
 
     groups = getattr(dataset, "batch_groups", None)
@@ -212,7 +213,7 @@ def bucket_report(dataset, batch_size: int, world_size: int, seed: int) -> dict:
     ranks, served = [], Counter()
     for rank in range(world_size):
         sampler = BucketBatchSampler(
-            groups, batch_size, shuffle=True, seed=seed, rank=rank, world_size=world_size
+            groups, batch_size, shuffle=train, seed=seed, rank=rank, world_size=world_size
         )
         items = [i for _, batch in sampler.numbered() for i in batch]
         served.update(items)
@@ -245,34 +246,41 @@ def dhash(image: Image.Image) -> int:
 
 
 def near_duplicate_groups(hashes: list[int], max_bits: int = NEAR_DUPLICATE_BITS) -> list[list]:
-    """Groups (indices into `hashes`) of items whose hashes differ in at most `max_bits` bits.
+    """Groups (indices into `hashes`) of items whose hash is within `max_bits` bits of their
+    group's first item.
 
-    Pigeonhole: with at most 7 differing bits, two 64-bit hashes agree on at least one of their
-    8 bytes, so only items sharing a byte value at the same place are compared - near-linear
-    instead of all pairs. Groups are the connected components (union-find)."""
-    assert max_bits < 8, "the 8-band candidate search finds pairs within 7 bits"
-    values = np.array(hashes, dtype=np.uint64)
-    parent = list(range(len(values)))
-
-    def root(i):
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    for band in range(8):
-        keys = (values >> np.uint64(8 * band)) & np.uint64(255)
+    Leader clustering, not connected components: a chain of small steps (a gradient of similar
+    images) must not merge into one huge group. Identical hashes are grouped first; among the
+    distinct ones, pigeonhole keeps the search near-linear - two 64-bit hashes within 3 bits
+    agree on at least one of their four 16-bit quarters, so only hashes sharing a quarter at the
+    same place are compared (all pairs of each such bucket at once)."""
+    assert max_bits < 4, "the 4-band candidate search finds pairs within 3 bits"
+    distinct, first, item_of = np.unique(
+        np.array(hashes, dtype=np.uint64), return_index=True, return_inverse=True
+    )
+    neighbours = {}  # distinct index -> distinct indices within max_bits
+    for band in range(4):
+        keys = (distinct >> np.uint64(16 * band)) & np.uint64(0xFFFF)
         order = np.argsort(keys, kind="stable")
-        starts = np.flatnonzero(np.diff(keys[order], prepend=np.uint64(256)))
-        for members in np.split(order, starts[1:]):
-            for k in range(len(members) - 1):
-                first, rest = members[k], members[k + 1 :]
-                close = np.bitwise_count(values[rest] ^ values[first]) <= max_bits
-                for other in rest[close]:
-                    parent[root(int(other))] = root(int(first))
+        keys = keys[order]
+        # Pairs k positions apart in the sorted order that share the key, all k at once.
+        for k in range(1, len(order)):
+            same = np.flatnonzero(keys[:-k] == keys[k:])
+            if not same.size:
+                break
+            a, b = order[same], order[same + k]
+            close = np.bitwise_count(distinct[a] ^ distinct[b]) <= max_bits
+            for i, j in zip(a[close].tolist(), b[close].tolist()):
+                neighbours.setdefault(i, set()).add(j)
+                neighbours.setdefault(j, set()).add(i)
+    leader = {}
+    for i in sorted(neighbours, key=lambda d: first[d]):  # leaders in the order items come
+        if i not in leader:
+            leader[i] = i
+            leader.update({j: i for j in neighbours[i] if j not in leader})
     groups = {}
-    for i in range(len(values)):
-        groups.setdefault(root(i), []).append(i)
+    for item, value in enumerate(item_of.ravel()):
+        groups.setdefault(leader.get(int(value), int(value)), []).append(item)
     return sorted((g for g in groups.values() if len(g) > 1), key=len, reverse=True)
 
 
@@ -347,7 +355,8 @@ def inspect_split(name, dataset, *, batch_size, world_size, seed, encoders, deco
     if hasattr(dataset, "caption"):
         report["captions"] = caption_report(dataset, encoders, progress)
     report["scores"] = score_report(dataset)
-    report["buckets"] = bucket_report(dataset, batch_size, world_size, seed)
+    train = name == "data.train"
+    report["buckets"] = bucket_report(dataset, batch_size, world_size, seed, train)
     return report
 
 

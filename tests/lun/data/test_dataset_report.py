@@ -202,9 +202,14 @@ def test_decoded_images_modes_duplicates_and_unreadable_files(flat_report):
 def test_near_duplicate_groups_by_hamming_distance():
     base = 0x0123_4567_89AB_CDEF
     hashes = [base, base ^ 0b1011, base ^ (1 << 63), ~base & (2**64 - 1), base ^ 0xFF00]
-    # 3 bits and 1 bit from base: one group; 8 bits away and the complement: alone.
+    # 3 bits and 1 bit from base: one group; 8 bits away and the complement: alone. Leaders, not
+    # chains: hashes 2 bits apart in a row pair up instead of making one group.
     assert near_duplicate_groups(hashes, max_bits=3) == [[0, 1, 2]]
     assert near_duplicate_groups(hashes, max_bits=0) == []
+    chain = [0]
+    for k in range(6):
+        chain.append(chain[-1] ^ (0b11 << (2 * k)))
+    assert near_duplicate_groups(chain, max_bits=3) == [[0, 1], [2, 3], [4, 5]]
 
 
 @pytest.mark.slow  # a headless browser start
