@@ -345,14 +345,18 @@ def image_report(dataset, progress) -> dict:
 
 def inspect_split(name, dataset, *, batch_size, world_size, seed, encoders, decode, progress):
     """The report of one dataset (a split of the DataModule)."""
-    report = {"name": name, "type": type(dataset).__name__, "items": len(dataset)}
+    kind = type(dataset).__name__
+    report = {"name": name, "type": kind, "items": len(dataset), "notes": []}
     report["counts"] = _counts(dataset)
-    if decode and hasattr(dataset, "image_name"):
+    local = hasattr(dataset, "image_name") and report["counts"] is not None
+    if not local:  # what the report reads is lun.data.local.Local's
+        report["notes"].append(f"{kind} keeps no per-rule counts, captions or image list")
+    if decode and local:
         report["images"] = image_report(dataset, progress)
         report["counts"] = _counts(dataset)  # with the items that failed to decode
         failed = dataset.bad_input.failed
         report["counts"]["unreadable_at_load"] = int(failed.sum()) if failed is not None else 0
-    if hasattr(dataset, "caption"):
+    if local:
         report["captions"] = caption_report(dataset, encoders, progress)
     report["scores"] = score_report(dataset)
     train = name == "data.train"
@@ -366,6 +370,7 @@ def summary(report: dict) -> str:
     for split in report["splits"]:
         name = split["name"]
         lines.append(f"\n{name} ({split['type']}): {split['items']} usable items")
+        lines += [f"  note: {note}" for note in split["notes"]]
         counts = split["counts"]
         if counts is not None:
             lines += ["  " + line.split(": ", 1)[1] for line in count_lines(name, counts)]
@@ -451,6 +456,24 @@ def build_report(config: dict, *, decode=False, world_size=None, seed=23, progre
     return {"decode": decode, "splits": splits}
 
 
+def data_config(cfg) -> dict:
+    """The merged config as a dict, complete where the report reads it: its `data` (checked as
+    main.py checks the whole), while the model may keep required values unset (`ckpt_path: ???`
+    does not matter to a report on the data)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from lun.config import ConfigError, check_complete
+
+    missing = [key for key in OmegaConf.missing_keys(cfg) if key.startswith("data.")]
+    if missing:
+        check_complete(OmegaConf.masked_copy(cfg, ["data"]))  # its one-line error
+    try:
+        return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot resolve config: {str(err).splitlines()[0]}") from None
+
+
 def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -469,14 +492,7 @@ def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> int:
     """Command line: config merge as main.py, one-line errors with exit status 2."""
-    from lun.config import (
-        ConfigError,
-        check_complete,
-        merge_configs,
-        set_data_root,
-        to_container,
-        translate_legacy_keys,
-    )
+    from lun.config import ConfigError, merge_configs, set_data_root, translate_legacy_keys
     from lun.data.dataset_report_html import write_html
 
     opt, dotlist = parse_args(sys.argv[1:] if argv is None else argv)
@@ -498,8 +514,7 @@ def main(argv=None) -> int:
             set_data_root(cfg, opt.data_root)
         if "data" not in cfg:
             raise ConfigError("the merged config has no 'data' section")
-        check_complete(cfg)
-        config = to_container(cfg)
+        config = data_config(cfg)
         start = time.perf_counter()
         try:
             report = build_report(

@@ -214,6 +214,7 @@ def render(report: dict) -> str:
         parts.append(
             f"<h2>{html.escape(split['name'])} ({split['type']}, {split['items']} items)</h2>"
         )
+        parts += [f"<p><em>{html.escape(note)}</em></p>" for note in split["notes"]]
         parts.append(_counts_section(split["counts"]))
         if split.get("captions"):
             parts.append(_captions_section(split["captions"]))

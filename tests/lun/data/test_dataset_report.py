@@ -1,7 +1,6 @@
 """The dataset report (lun.data.dataset_report): its counts equal what the generation parameters
 say each rule must drop; captions, scores, buckets, decoded images; the HTML page renders."""
 
-import io
 import json
 import logging
 import math
@@ -268,12 +267,22 @@ def test_bad_input_is_one_line_and_exit_2_before_any_report(tmp_path, capsys):
     assert "--world-size" in capsys.readouterr().err
 
 
-def test_main_py_inspect_writes_the_report(tmp_path, shapes_dir):
-    config = metadata_config(shapes_dir)
-    (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
+def test_main_py_inspect_reads_a_shipped_config_without_its_checkpoint(tmp_path, shapes_dir):
+    """`main.py --inspect` on v1-finetune.yaml: the model's `ckpt_path: ???` does not matter to a
+    report on the data; the text encoder's tokenizer is found in the model config."""
     out = tmp_path / "out"
-    assert launcher.main(["--inspect", "--base", str(tmp_path / "c.yaml"), "--out", str(out)]) == 0
+    argv = [
+        "--inspect",
+        "--base",
+        str(Path(launcher.__file__).parent / "configs" / "stable-diffusion" / "v1-finetune.yaml"),
+        f"data.params.train.params.data_root={shapes_dir}",
+        "--out",
+        str(out),
+    ]
+    assert launcher.main(argv) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["splits"][0]["counts"]["usable"] == 16
+    split = report["splits"][0]
+    assert split["counts"]["usable"] == 16
+    assert split["captions"]["tokens"][0]["encoder"].endswith("(FrozenCLIPEmbedder)")
     assert not (tmp_path / "logs").exists()
-    assert io.StringIO((out / "report.html").read_text()).read().startswith("<!DOCTYPE html>")
+    assert (out / "report.html").read_text().startswith("<!DOCTYPE html>")
