@@ -113,10 +113,15 @@ def text_encoders(model_config) -> list[dict]:
             folder = clip_tokenizer_folder(
                 params.get("version", "openai/clip-vit-large-patch14"), folder
             )
+        try:
+            tokenizer, error = clip_tokenizer(folder), None
+        except (FileNotFoundError, OSError) as err:  # no vocabulary here: say so, go on
+            tokenizer, error = None, str(err).splitlines()[0]
         found.append(
             {
                 "name": f"{key} ({cls.__name__})",
-                "tokenizer": clip_tokenizer(folder),
+                "tokenizer": tokenizer,
+                "error": error,
                 "max_length": int(params.get("max_length", 77)),
                 # open_clip_tokenize unescapes HTML entities twice before tokenizing
                 "unescape": issubclass(cls, FrozenOpenCLIPEmbedder),
@@ -159,6 +164,9 @@ def caption_report(dataset, encoders: list[dict], progress) -> dict:
     }
     unique = sorted(set(captions))  # tag captions repeat rarely, plain ones (or "") often
     for encoder in encoders:
+        if encoder["tokenizer"] is None:
+            report["tokens"].append({"encoder": encoder["name"], "error": encoder["error"]})
+            continue
         texts = [html.unescape(html.unescape(t)) for t in unique] if encoder["unescape"] else unique
         lengths = {}
         for start in progress(range(0, len(texts), 1024), desc=f"tokens {encoder['name']}"):
@@ -385,6 +393,9 @@ def summary(report: dict) -> str:
                 f"{captions['not_clean_utf8'] or 'none'}"
             )
             for tokens in captions["tokens"]:
+                if "error" in tokens:
+                    lines.append(f"  tokens {tokens['encoder']}: no tokenizer ({tokens['error']})")
+                    continue
                 lengths = np.array(tokens["lengths"] or [0])
                 lines.append(
                     f"  tokens {tokens['encoder']}: median {int(np.median(lengths))}, max "

@@ -126,6 +126,9 @@ def _captions_section(captions) -> str:
         f"{html.escape(str(captions['not_clean_utf8'] or 'none'))}</p>"
     )
     for tokens in captions["tokens"]:
+        if "error" in tokens:
+            parts.append(f"<p>{html.escape(tokens['encoder'])}: {html.escape(tokens['error'])}</p>")
+            continue
         limit = tokens["max_length"]
         title = f"tokens per caption, {tokens['encoder']}: {tokens['truncated']} over {limit}"
         parts.append(
