@@ -82,6 +82,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         metavar="GIB",
         help="accelerator memory the memory plan must fit (default: the device's)",
     )
+    parser.add_argument(
+        "--inspect",
+        action="store_true",
+        help="report on the configured datasets and exit (scripts/inspect_data.py --help)",
+    )
     # The original launchers' options, translated with a notice (docs/migrating.md).
     parser.add_argument(
         "--data_root", help="legacy: sets data.params.{train,validation}.params.data_root"
@@ -98,6 +103,11 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--inspect" in argv:  # the dataset report: same config merge, no model, no run folder
+        from lun.data.dataset_report import main as inspect_data
+
+        return inspect_data([a for a in argv if a != "--inspect"])
     opt, dotlist = parse_args(argv)
     # Our loggers only: Lightning prints its own messages through its own handler.
     handler = logging.StreamHandler()

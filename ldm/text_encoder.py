@@ -125,6 +125,17 @@ def clip_tokenizer(path: str | None = None) -> CLIPTokenizer:
     return _bpe_tokenizer(bpe_vocab_path())
 
 
+def clip_tokenizer_folder(version: str | None, tokenizer: str | None) -> str | None:
+    """The tokenizer folder FrozenCLIPEmbedder reads: `tokenizer`, else the `version` folder when
+    it holds one, else None (the BPE file)."""
+    if tokenizer is None and version not in CLIP_VIT_L14_HUB_IDS:
+        has_tokenizer = any(
+            os.path.isfile(os.path.join(version, name)) for name in ("vocab.json", "tokenizer.json")
+        )
+        tokenizer = version if has_tokenizer else None
+    return tokenizer
+
+
 @lru_cache(maxsize=2)
 def _bpe_tokenizer(bpe_path: str) -> CLIPTokenizer:
     """Built once per process and shared (read only: every call passes its own padding and
@@ -224,13 +235,7 @@ class FrozenCLIPEmbedder(TextEmbedder):
                 f"cond_stage_config.params.layer_idx: {layer_idx} must be an int in "
                 f"[-{num_layers}, {num_layers}] when layer is 'hidden'"
             )
-        if tokenizer is None and version not in CLIP_VIT_L14_HUB_IDS:
-            has_tokenizer = any(
-                os.path.isfile(os.path.join(version, name))
-                for name in ("vocab.json", "tokenizer.json")
-            )
-            tokenizer = version if has_tokenizer else None
-        self.tokenizer = clip_tokenizer(tokenizer)
+        self.tokenizer = clip_tokenizer(clip_tokenizer_folder(version, tokenizer))
         self.max_length = max_length
         self.layer, self.layer_idx = layer, layer_idx
         if freeze:

@@ -192,6 +192,9 @@ class DataModule(L.LightningDataModule):
         for split in splits.get(stage, ()):
             if self.configs[split] is not None and split not in self.datasets:
                 self.datasets[split] = instantiate_from_config(self.configs[split])
+                from lun.data.dataset_report import log_counts  # the report's counts, one a line
+
+                log_counts(f"data.{split}", self.datasets[split])
                 if split == "train" and self.cache:
                     from lun.data.latent_cache import CachedLatents
 

@@ -21,7 +21,8 @@ from lun.data.images import IMAGE_EXTENSIONS, ImageError, image_size
 logger = logging.getLogger("lun.data")
 
 # 2: metadata paths outside data_root are refused; the index lists files kept with a note.
-CACHE_VERSION = 2
+# 3: the index counts the metadata files that consider_every_nth passed over.
+CACHE_VERSION = 3
 # Header reads are mostly I/O waits (network file systems especially); threads overlap them.
 HEADER_THREADS = 16
 

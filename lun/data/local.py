@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -48,7 +49,13 @@ from lun.data.index import (
     save_cached,
     walk,
 )
-from lun.data.metadata import MetadataParams, build_caption, metadata_records, select
+from lun.data.metadata import (
+    MetadataParams,
+    bonus_score,
+    build_caption,
+    metadata_records,
+    select,
+)
 from lun.data.report import BadInputLog, decode_text
 from lun.storage import FileCache, is_url, join, list_files
 
@@ -182,11 +189,14 @@ class Local(torch.utils.data.Dataset):
         aspect_range = self.metadata.aspect_range if self.metadata else None
         need_aspect = bool(buckets or verify_images or aspect_range)
         cache_dir = default_cache_dir() if cache_dir is None else cache_dir
-        listing, records = self._index(need_aspect, cache_dir)
+        listing, records = self._index(need_aspect, cache_dir)  # sets self.counts
+        self.scores = None  # metadata mode: (raw, after tag bonuses) of every indexed item
         captions = self._captions_of(records)
         rows = range(len(records["image"]))
         if limit_images is not None and limit_images < len(rows):
             rows = sorted(random.Random(0).sample(rows, int(limit_images)))
+            self.counts["dropped"]["over limit_images"] = len(captions) - len(rows)
+        self.counts["usable"] = len(rows)
         if not rows:
             raise ValueError(
                 f"data_root={data_root!r} has no usable items: found {describe_listing(listing)}; "
@@ -225,15 +235,34 @@ class Local(torch.utils.data.Dataset):
         index = load_cached(cache_dir or None, key)
         cached = index is not None
         if index is None:
-            noted = []  # [(path, reason, detail)] of files kept with a problem
+            noted, passed_over = [], 0  # [(path, reason, detail)] of files kept with a problem
             if self.metadata is None:
                 records, skipped = flat_records(listing)
             else:
-                records, skipped, noted = metadata_records(self.path, listing, every_nth)
+                records, skipped, noted, passed_over = metadata_records(
+                    self.path, listing, every_nth
+                )
             if need_aspect:
                 skipped += read_aspects(self.path, records, self.max_image_pixels)
-            index = {"records": records, "skipped": skipped, "noted": noted}
+            index = {
+                "records": records,
+                "skipped": skipped,
+                "noted": noted,
+                "not_every_nth": passed_over,
+            }
             save_cached(cache_dir or None, key, index)
+        dropped = Counter()
+        if every_nth:
+            dropped[f"not every nth (consider_every_nth={every_nth})"] = index["not_every_nth"]
+        dropped.update(reason for _, reason, _ in index["skipped"])
+        # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
+        # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.
+        self.counts = {
+            "found": len(index["records"]["image"]) + sum(dropped.values()),
+            "dropped": dropped,
+            "indexed": len(index["records"]["image"]),
+            "noted": Counter(reason for _, reason, _ in index["noted"]),
+        }
         for rel, reason, detail in index["skipped"]:
             self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
         for rel, reason, detail in index["noted"]:
@@ -255,7 +284,16 @@ class Local(torch.utils.data.Dataset):
         """
         if self.metadata is not None:
             seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's, as the loader's
+            if self.metadata.tag_bonus_scores:
+                with_bonus = [
+                    bonus_score(score, set(tags), self.metadata)
+                    for score, tags in zip(records["score"], records["tags"])
+                ]
+            else:
+                with_bonus = records["score"]
+            self.scores = (np.asarray(records["score"]), np.asarray(with_bonus, dtype=np.float64))
             rows, tag_lists, filtered = select(records, self.metadata, seed)
+            self.counts["dropped"].update(filtered)
             keep_rows(records, rows)
             if filtered:
                 why = ", ".join(f"{n} {reason}" for reason, n in filtered.items())
@@ -267,8 +305,10 @@ class Local(torch.utils.data.Dataset):
                 path = os.path.join(self.data_root, image)
                 if self.missing_caption == "skip":
                     self.bad_input.skip(path, "no caption")
+                    self.counts["dropped"]["no caption"] += 1
                     continue
                 self.bad_input.warn(path, "no caption", "trained with an empty caption")
+                self.counts["noted"]["no caption (trained with an empty caption)"] += 1
             keep.append(row)
         keep_rows(records, keep)
         return records["caption"]

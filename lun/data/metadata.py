@@ -201,14 +201,15 @@ def image_path(path: str) -> str:
     return image
 
 
-def metadata_records(path_of, listing, every_nth: int | None) -> tuple[dict, list, list]:
+def metadata_records(path_of, listing, every_nth: int | None) -> tuple[dict, list, list, int]:
     """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json` (`path_of`: the
     local file of a path relative to data_root - lun.data.local.Local.path), the
     [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing,
-    path outside data_root), and those of files kept with a problem (not UTF-8)."""
+    path outside data_root), those of files kept with a problem (not UTF-8), and how many files
+    `consider_every_nth` passed over (counted, not listed: it is a choice, not bad input)."""
     sizes = {rel: size for rel, size, _ in listing}
-    files = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
-    files = files[:: every_nth or 1]
+    found = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
+    files = found[:: every_nth or 1]
     records = {"image": [], "tags": [], "score": [], "aspect": []}
     skipped, noted = [], []
     for rel in files:
@@ -240,24 +241,51 @@ def metadata_records(path_of, listing, every_nth: int | None) -> tuple[dict, lis
         records["tags"].append(meta["tags"])
         records["score"].append(meta["score"])
         records["aspect"].append(meta["aspect"])
-    return records, skipped, noted
+    return records, skipped, noted, len(found) - len(files)
 
 
 def _threshold_name(threshold) -> str:
     return f"{threshold:g}" if isinstance(threshold, float) else str(threshold)
 
 
+def bonus_score(score: float, tags: set, params: MetadataParams) -> float:
+    """The score `min_score` is checked against: the raw score plus every `tag_bonus_scores`
+    entry whose tag the image has."""
+    return score + sum(float(v) for tag, v in params.tag_bonus_scores.items() if tag in tags)
+
+
+def drop_reason(score: float, tags: set, aspect, params: MetadataParams) -> str | None:
+    """Why the score and tag filters leave an image out, or None when it is kept: the one owner
+    of these rules (the dataset applies it, the dataset report counts its answers). Checked in
+    this order, the first that applies names the reason: `abs_min_score` (raw score), a
+    blacklisted tag (named: the first of `blacklist_tags` the image has), `min_score` (after
+    bonuses), `aspect_range`."""
+    if params.abs_min_score is not None and score < params.abs_min_score:
+        return "below abs_min_score"
+    for tag in params.blacklist_tags:
+        if tag in tags:
+            return f"blacklisted tag {tag!r}"
+    if params.min_score is not None and bonus_score(score, tags, params) < params.min_score:
+        return "below min_score after bonuses"
+    if params.aspect_range is not None and not (
+        params.aspect_range[0] <= aspect <= params.aspect_range[1]
+    ):
+        return "outside aspect_range"
+    return None
+
+
 def select(
     records: dict, params: MetadataParams, seed: int = 0
 ) -> tuple[list[int], list[list[str]], Counter]:
-    """Rows that pass the score and tag filters, their caption tags, and why others were left out.
+    """Rows that pass the score and tag filters (`drop_reason`), their caption tags, and how many
+    rows each reason left out.
 
     Caption tags: the image's tags minus `non_caption_tags` and `non_caption_tag_prefixes`, plus
     the score tag; past the first `keep_tokens`, shuffled (with probability `shuffle_tag_p`, a
     draw seeded by `seed` and the image's path) or else sorted; then `replacements`. None at all
     with `skip_caption`.
     """
-    blacklist, hidden = set(params.blacklist_tags), set(params.non_caption_tags)
+    hidden = set(params.non_caption_tags)
     prefixes = tuple(params.non_caption_tag_prefixes)
     thresholds = sorted(params.score_tags, reverse=True)
     key = sort_key(params.caption_sorter) if params.caption_sorter is not None else None
@@ -265,23 +293,9 @@ def select(
     for row, (image, tags, score, aspect) in enumerate(
         zip(records["image"], records["tags"], records["score"], records["aspect"])
     ):
-        if params.abs_min_score is not None and score < params.abs_min_score:
-            filtered["below abs_min_score"] += 1
-            continue
-        tag_set = set(tags)
-        if blacklist & tag_set:
-            filtered["blacklisted tag"] += 1
-            continue
-        bonus = sum(
-            float(value) for tag, value in params.tag_bonus_scores.items() if tag in tag_set
-        )
-        if params.min_score is not None and score + bonus < params.min_score:
-            filtered["below min_score"] += 1
-            continue
-        if params.aspect_range is not None and not (
-            params.aspect_range[0] <= aspect <= params.aspect_range[1]
-        ):
-            filtered["outside aspect_range"] += 1
+        reason = drop_reason(score, set(tags), aspect, params)
+        if reason is not None:
+            filtered[reason] += 1
             continue
         rows.append(row)
         if params.skip_caption:

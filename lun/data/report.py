@@ -15,6 +15,8 @@ import torch
 
 logger = logging.getLogger("lun.data")
 
+# The first few files of each reason are kept for the dataset report (lun.data.dataset_report).
+EXAMPLES_PER_REASON = 5
 # Past this many files of one kind, details go to DEBUG so that a folder of 100k broken files
 # does not bury the console; every file is still reported once in a DEBUG log.
 WARNINGS_PER_REASON = 20
@@ -78,6 +80,7 @@ class BadInputLog:
         self.warned = Counter()  # reason -> files kept with a warning
         self.failed = None  # (N,) bool shared tensor: item failed to load, set by `track_items`
         self.noted = None  # (N,) uint8 shared tensor: 1 + index in LOAD_NOTES of a load-time note
+        self.examples = {}  # reason -> the first EXAMPLES_PER_REASON paths (this process's)
 
     def track_items(self, num_items: int) -> None:
         """Allocate the shared per-item flags (call in the main process, before workers start)."""
@@ -86,11 +89,18 @@ class BadInputLog:
 
     def skip(self, path: str, reason: str, detail: str = "") -> None:
         """A file left out of the index; `reason` is a short category such as "zero bytes"."""
+        self._example(reason, path)
         self._note(self.skipped, "skipped", path, reason, detail)
 
     def warn(self, path: str, reason: str, detail: str = "") -> None:
         """A file kept despite a problem (e.g. "no caption" when captions default to empty)."""
+        self._example(reason, path)
         self._note(self.warned, "note", path, reason, detail)
+
+    def _example(self, reason: str, path: str) -> None:
+        paths = self.examples.setdefault(reason, [])
+        if len(paths) < EXAMPLES_PER_REASON:
+            paths.append(path)
 
     @staticmethod
     def _note(counter: Counter, verb: str, path: str, reason: str, detail: str) -> None:
@@ -103,6 +113,7 @@ class BadInputLog:
         if self.failed is None or bool(self.failed[index]):
             return False
         self.failed[index] = True
+        self._example("unreadable at load", path)
         logger.warning("unreadable %s (%s), substituted another sample", path, error)
         return True
 
@@ -113,6 +124,7 @@ class BadInputLog:
         if self.noted is None or int(self.noted[index]) == code:
             return False
         self.noted[index] = code
+        self._example(note, path)
         logger.warning("note %s: %s", path, note)
         return True
 

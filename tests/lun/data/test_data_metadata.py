@@ -80,7 +80,7 @@ def test_scores_are_checked_before_and_after_bonuses():
     )
     rows, _, filtered = select(records, params)
     assert rows == [1]  # 10 < abs_min even before bonuses; 30 < 50; 100 - 60 < 50
-    assert filtered == {"below abs_min_score": 1, "below min_score": 2}
+    assert filtered == {"below abs_min_score": 1, "below min_score after bonuses": 2}
     rows, _, _ = select(
         records,
         MetadataParams.from_config({"abs_min_score": 5, "tag_bonus_scores": {"good": -100}}),
@@ -101,7 +101,7 @@ def test_caption_tags_blacklist_non_caption_replacements_and_score_tags():
         }
     )
     rows, captions, filtered = select(records, params)
-    assert rows == [0, 2] and filtered == {"blacklisted tag": 1}
+    assert rows == [0, 2] and filtered == {"blacklisted tag 'animated'": 1}
     # Ordered: "artist:bob" -> "by bob" -> (then "y" removed) "b bob"; score 3 reaches no threshold.
     assert captions == [["b bob", "pon", "scr50"], ["x="]]
 
