@@ -60,7 +60,10 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_channels, hidden_size, patch_size, stride=patch_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x).flatten(2).transpose(1, 2)  # (B, N, D)
+        # contiguous: (B, D, N) read as (B, N, D) is a transposed view, and elementwise ops keep
+        # their first input's strides, so `x + gate * ...` would carry that channel-major layout
+        # through every block (each LayerNorm copying it, every residual add strided).
+        return self.proj(x).flatten(2).transpose(1, 2).contiguous()  # (B, N, D)
 
 
 class TimestepEmbedder(nn.Module):

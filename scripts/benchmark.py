@@ -16,12 +16,14 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - sampling: seconds per 256x256 image with classifier-free guidance, 20-step DPM++ 2M and
   50-step DDIM, our sampler vs diffusers' StableDiffusionPipeline on the same converted weights.
 - data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 1024 px JPEG -> 512).
-- dit: one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4 latents = 256 px images, 1000
-  classes, learned sigma; on a CPU DiT-B/2 at batch 2, 16x16x4, see DIT_ROWS) against diffusers' DiTTransformer2DModel holding the same weights
-  (ldm.checkpoint.dit_to_diffusers), both with the same fused AdamW, taking turns; fp32, and
-  bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per image
-  (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4) and
-  the achieved share of the measured matmul peak.
+- dit (scripts/benchmark_dit.py): one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4
+  latents = 256 px images, 1000 classes, learned sigma; on a CPU DiT-B/2 at batch 2, 16x16x4,
+  see DIT_ROWS) against diffusers' DiTTransformer2DModel holding the same weights
+  (ldm.checkpoint.dit_to_diffusers), both with the same fused AdamW, taking turns (A B B A);
+  fp32, and bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per
+  image (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4)
+  and the achieved share of the measured matmul peak. `--cpu-seconds`: timed in CPU seconds on
+  one thread (for a shared machine).
 - cache: training steps online vs from the latent cache, the GPU projection from FLOP counts,
   and the cache's build speed against diffusers' AutoencoderKL in a plain loop
   (scripts/benchmark_cache.py, CPU).
@@ -373,96 +375,6 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-# DiT rows: (preset, batch, latent side). DiT-B/2 does 4x DiT-S/2's work per token; on a CPU
-# it runs at batch 2 on 16x16 latents (64 tokens, 128 px images) so the section ends in minutes.
-DIT_ROWS = {"cuda": [("DiT_S_2", 4, 32), ("DiT_B_2", 4, 32)]}
-DIT_ROWS["cpu"] = [("DiT_S_2", 4, 32), ("DiT_B_2", 2, 16)]
-
-
-def build_dits(preset: str, device, latent: int = LATENT):
-    """Our DiT preset and diffusers' DiTTransformer2DModel of the same size and weights."""
-    from diffusers import DiTTransformer2DModel
-
-    from ldm import dit
-
-    torch.manual_seed(0)
-    ours = getattr(dit, preset)(input_size=latent, num_classes=1000)
-    width, heads = ours.pos_embed.shape[-1], ours.blocks[0].attn.num_heads
-    theirs = DiTTransformer2DModel(
-        num_attention_heads=heads,
-        attention_head_dim=width // heads,
-        in_channels=4,
-        out_channels=8,
-        num_layers=len(ours.blocks),
-        sample_size=latent,
-        patch_size=ours.patch_size,
-        num_embeds_ada_norm=1000,
-        norm_eps=1e-6,
-    )
-    theirs.load_state_dict(checkpoint.dit_to_diffusers(ours.state_dict()))
-    return ours.to(device).train(), theirs.to(device).train()
-
-
-def dit_train_step(run, model, optimizer, target, dtype) -> None:
-    with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        loss = F.mse_loss(run(model).float(), target)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-def dit_section(args, device) -> list[str]:
-    rows = [
-        "| DiT train step | batch, latent | dtype | img/s | vs diffusers | fwd GFLOP/img | TFLOP/s | of matmul peak |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
-    for preset, batch, latent in DIT_ROWS.get(device.type, DIT_ROWS["cuda"]):
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(batch, 4, latent, latent, generator=g).to(device)
-        t = torch.randint(0, 1000, (batch,), generator=g).to(device)
-        y = torch.randint(0, 1000, (batch,), generator=g).to(device)
-        target = torch.randn(batch, 8, latent, latent, generator=g).to(device)
-        runs = {
-            "ours": lambda m, x=x, t=t, y=y: m(x, t, {"y": y}),
-            "diffusers": lambda m, x=x, t=t, y=y: m(x, timestep=t, class_labels=y).sample,
-        }
-        models = dict(zip(("ours", "diffusers"), build_dits(preset, device, latent)))
-        flops, forward_flops = {}, {}
-        for label, model in models.items():
-            with FlopCounterMode(display=False) as counter:
-                out = runs[label](model)
-            forward_flops[label] = counter.get_total_flops()
-            with FlopCounterMode(display=False) as counter:
-                F.mse_loss(runs[label](model).float(), target).backward()
-            flops[label] = counter.get_total_flops()
-            model.zero_grad(set_to_none=True)
-            del out
-        optimizers = {
-            label: build_optimizer(m.parameters(), lr=1e-4) for label, m in models.items()
-        }
-        for name in dtypes:
-            dtype, peak = DTYPES[name], matmul_peak(device, DTYPES[name])
-            steps = {
-                label: lambda r=runs[label], m=models[label], o=optimizers[label], d=dtype, y=target: (
-                    dit_train_step(r, m, o, y, d)
-                )
-                for label in ("diffusers", "ours")
-            }
-            results = alternated_median_seconds(steps, device, args.steps, args.warmup)
-            for label in ("diffusers", "ours"):
-                achieved = flops[label] / results[label]
-                rows.append(
-                    f"| {preset.replace('_', '-', 1).replace('_', '/')} {label} | "
-                    f"{batch}, {latent}x{latent}x4 | {name} | "
-                    f"{batch / results[label]:.2f} | {results['diffusers'] / results[label]:.2f}x | "
-                    f"{forward_flops[label] / batch / 1e9:.1f} | {achieved / 1e12:.3f} | "
-                    f"{achieved / peak:.0%} |"
-                )
-                print(rows[-1], flush=True)
-    return rows
-
-
 def data_section(args) -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from benchmark_data import loader_table
@@ -496,6 +408,11 @@ def main() -> None:
     )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--sample-runs", type=int, default=2)
+    parser.add_argument(
+        "--cpu-seconds",
+        action="store_true",
+        help="dit section on CPU: time steps in CPU seconds on one thread (shared machines)",
+    )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
@@ -516,6 +433,7 @@ def main() -> None:
         f"device: {device}, torch {torch.__version__}, threads {torch.get_num_threads()}",
         flush=True,
     )
+    from benchmark_dit import dit_section
     from benchmark_lora import lora_section
     from benchmark_vae import vae_section
 

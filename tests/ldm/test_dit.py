@@ -90,6 +90,16 @@ def test_adaln_zero_starts_as_zero_output_and_identity_blocks():
     assert torch.equal(model(x, t, {"y": y}), torch.zeros(2, 8, 8, 8))
 
 
+def test_tokens_are_row_major_through_the_blocks():
+    """Speed, not values: the patch tokens leave patchify contiguous (B, N, D), so every block's
+    residual adds keep that layout (a transposed view there made each LayerNorm copy it)."""
+    model = DiT(**TINY, num_classes=3)
+    x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 700]), torch.tensor([0, 3])
+    tokens = model.patchify(x)
+    c = model.t_embedder(t) + model.y_embedder(y)
+    assert tokens.is_contiguous() and model.blocks[0](tokens, c).is_contiguous()
+
+
 def test_unpatchify_inverts_the_patch_layout():
     """A final layer that copies each patch's pixels back gives x again: unpatchify puts token
     (row, col) and its (p_row, p_col, channel) values where patchify took them."""
@@ -120,6 +130,9 @@ def diffusers_dit(num_classes: int):
     )
     for block in model.transformer_blocks:
         block.norm1.emb.time_proj = Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)
+        # In train mode diffusers drops class labels itself (p = 0.1, drawn anew in every
+        # block); here that dropout is the conditioner's (ClassLabels.ucg_rate), not the model's.
+        block.norm1.emb.class_embedder.dropout_prob = 0.0
     return model.eval()
 
 
@@ -139,6 +152,33 @@ def test_parity_with_diffusers_dit_transformer():
         got = ours(x, t, {"y": y})
     assert got.shape == (3, 8, 8, 8) and got.abs().mean() > 0.1
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_training_gradients_match_diffusers():
+    """The backward pass too (what the training benchmark times): the same loss gives every
+    weight the gradient of its converted diffusers twin; the timestep and class embedders, which
+    diffusers copies into every block, get the sum of the copies' gradients."""
+    ours = randomized(DiT(**TINY, num_classes=10)).train()
+    theirs = diffusers_dit(num_classes=10).train()
+    theirs.load_state_dict(dit_to_diffusers(ours.state_dict()))
+    generator = torch.Generator().manual_seed(2)
+    x, target = torch.randn(2, 4, 8, 8, generator=generator), torch.randn(2, 8, 8, 8)
+    t, y = torch.tensor([3, 800]), torch.tensor([4, 10])
+    (ours(x, t, {"y": y}) - target).square().mean().backward()
+    (theirs(x, timestep=t, class_labels=y).sample - target).square().mean().backward()
+    grads = {k: p.grad for k, p in ours.named_parameters() if p.requires_grad}
+    expected = {k: p.grad for k, p in theirs.named_parameters()}
+    embedders = ("t_embedder.", "y_embedder.")
+    got = dit_to_diffusers({**grads, "pos_embed": ours.pos_embed})
+    for key, grad in got.items():
+        if ".norm1.emb." not in key:
+            torch.testing.assert_close(grad, expected[key], rtol=1e-4, atol=1e-6, msg=key)
+    for name in (k for k in grads if k.startswith(embedders)):
+        twin = dit_to_diffusers({**grads, "pos_embed": ours.pos_embed, name: grads[name]})
+        copies = [k for k, v in twin.items() if ".norm1.emb." in k and v is grads[name]]
+        total = sum(expected[k] for k in copies)
+        assert len(copies) == TINY["depth"] and grads[name].abs().sum() > 0
+        torch.testing.assert_close(grads[name], total, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_diffusers_timestep_formula_differs_from_the_dit_code():
