@@ -153,3 +153,42 @@ def test_clip_score_matches_transformers(clip_folder):
     cos = torch.nn.functional.cosine_similarity(out.image_embeds, out.text_embeds)
     assert torch.allclose(ours, 100 * cos.clamp(min=0), atol=1e-4)
     assert ours.shape == (2,)
+
+
+def small_extractor(tmp_path, seed: int = 0, name: str = "features.safetensors"):
+    torch.manual_seed(seed)
+    net = SmallCNN(num_classes=4, widths=(8, 16), size=16)
+    path = tmp_path / name
+    save_file(net.state_dict(), str(path), metadata=net.metadata())
+    return load_features(path)
+
+
+def test_reference_features_are_cached_by_content(tmp_path, shapes_dir):
+    """Computed once, reused on a rerun; another image's bytes or another extractor's weights
+    make another cache entry; a copied folder (same contents elsewhere) reuses it."""
+    import shutil
+
+    from lun.eval.reference import extract, reference_features
+
+    extractor = small_extractor(tmp_path)
+    spec = {"target": "lun.data.local.Local", "params": {"data_root": str(shapes_dir), "size": 16}}
+    cache = tmp_path / "cache"
+    first, path, cached = reference_features(spec, extractor, 16, cache_dir=cache)
+    assert not cached and first.shape == (16, 16) and path.is_file()
+    again, path2, cached = reference_features(spec, extractor, 16, cache_dir=cache)
+    assert cached and path2 == path and np.array_equal(again, first)
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shapes_dir, copy)
+    moved = {**spec, "params": {**spec["params"], "data_root": str(copy)}}
+    assert reference_features(moved, extractor, 16, cache_dir=cache)[1:] == (path, True)
+    image = sorted((copy / "images").glob("*.png"))[0]
+    image.write_bytes(image.read_bytes() + b"\0")  # the same pixels, other bytes
+    assert reference_features(moved, extractor, 16, cache_dir=cache)[1] != path
+    other = small_extractor(tmp_path, seed=1, name="other.safetensors")
+    assert reference_features(spec, other, 16, cache_dir=cache)[1] != path
+
+    # A plain folder: the same images, the same features as the dataset gives.
+    folder, _, _ = reference_features(str(shapes_dir / "images"), extractor, 16, cache_dir=cache)
+    assert np.allclose(folder, first, atol=1e-5)
+    assert extract(extractor, torch.zeros(3, 3, 16, 16), batch_size=2).shape == (3, 16)
