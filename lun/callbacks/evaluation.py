@@ -267,22 +267,17 @@ class Evaluation(Callback):
         return features, clip, grid
 
     def _score(self, trainer, pl_module, features, clip, prefix: str) -> dict[str, float]:
-        from lun.eval.fid import fid, kid
+        from lun.eval.fid import fid_kid
 
         metrics = None
         if trainer.is_global_zero:
             reference = self._load_reference(pl_module)
-            kid_mean, kid_std = kid(
+            scores = fid_kid(
                 reference, features, self.kid_subsets, self.kid_subset_size, seed=self.seed
             )
-            metrics = {
-                prefix + "fid": fid(reference, features),
-                prefix + "kid": kid_mean,
-                prefix + "kid_std": kid_std,
-                prefix + "num_images": float(len(features)),
-            }
             if clip is not None:
-                metrics[prefix + "clip_score"] = float(clip.mean())
+                scores["clip_score"] = float(clip.mean())
+            metrics = {prefix + name: value for name, value in scores.items()}
         return trainer.strategy.broadcast(metrics, src=0)
 
     def _log(self, trainer, metrics: dict[str, float], grid) -> None:

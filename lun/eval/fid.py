@@ -103,3 +103,17 @@ def kid(
         values.append(polynomial_mmd(real_subset, fake_subset))
     values = torch.stack(values)
     return float(values.mean()), float(values.std(unbiased=False))
+
+
+def fid_kid(
+    reference, features, kid_subsets: int = 100, kid_subset_size: int = 1000, seed: int = 0
+) -> dict[str, float]:
+    """{"fid", "kid", "kid_std", "num_images"} of generated `features` against `reference`: what
+    the evaluation callback logs and scripts/evaluate.py reports."""
+    kid_mean, kid_std = kid(reference, features, kid_subsets, kid_subset_size, seed)
+    return {
+        "fid": fid(reference, features),
+        "kid": kid_mean,
+        "kid_std": kid_std,
+        "num_images": float(len(features)),
+    }

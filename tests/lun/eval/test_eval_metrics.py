@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from eval_helpers import make_clip_folder
 from safetensors.torch import save_file
 
 from lun.eval.features import InceptionV3, SmallCNN, load_features
@@ -106,30 +107,7 @@ def test_small_cnn_round_trip(tmp_path):
 
 @pytest.fixture(scope="module")
 def clip_folder(tmp_path_factory):
-    """A tiny random CLIPModel saved with transformers, with the offline CLIP tokenizer."""
-    from transformers import CLIPConfig, CLIPModel
-
-    from ldm.text_encoder import clip_tokenizer
-
-    torch.manual_seed(0)
-    config = CLIPConfig(
-        text_config=dict(
-            hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-        ),
-        vision_config=dict(
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=16,
-            patch_size=8,
-        ),
-        projection_dim=8,
-    )
-    folder = tmp_path_factory.mktemp("clip")
-    CLIPModel(config).save_pretrained(folder)
-    clip_tokenizer().save_pretrained(folder)
-    return folder
+    return make_clip_folder(tmp_path_factory.mktemp("clip"))
 
 
 def test_clip_score_matches_transformers(clip_folder):
