@@ -7,8 +7,9 @@
 2. trains the feature extractor (scripts/shapes_features.py) unless --features names one:
    ImageNet Inception weights cannot be downloaded here, and are not made for 16 px shapes;
 3. trains configs/demo/shapes.yaml for --max-steps with the evaluation callback
-   (lun.callbacks.evaluation) every --every steps and a kept checkpoint at the same steps;
-4. scores each kept checkpoint with scripts/eval_shapes.py (colour / shape accuracy);
+   (lun.callbacks.evaluation) every --every steps;
+4. scores the images each evaluation drew (saved with `save_images`) with scripts/eval_shapes.py's
+   pixel analysis (colour / shape accuracy): no second sampling pass;
 5. writes fid.png (FID and accuracy against the step) and fid.json next to it.
 """
 
@@ -22,7 +23,7 @@ from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from eval_shapes import evaluate, prompts_to_score  # noqa: E402
+from eval_shapes import Scores, analyze, prompts_to_score  # noqa: E402
 from make_shapes import make_shapes  # noqa: E402
 
 
@@ -47,13 +48,12 @@ def train(out: Path, features: Path, args) -> Path:
             f"{ev}.prompts={out / 'prompts.txt'}",
             f"{ev}.every_n_steps={args.every}",
             f"{ev}.num_eval_images={args.images}",
-            f"{ev}.steps=20",
+            f"{ev}.steps={args.sampling_steps}",
             f"{ev}.scale=4.0",
-            f"{ev}.batch_size=72",
+            f"{ev}.batch_size=54",
+            f"{ev}.save_images=true",
+            f"data.params.batch_size={args.batch_size}",
             f"{ev}.cache_dir={out / 'cache'}",
-            f"{key}.metrics_over_trainsteps_checkpoint.target=lun.callbacks.checkpoints.Checkpoint",
-            f"{key}.metrics_over_trainsteps_checkpoint.params.every_n_train_steps={args.every}",
-            f"{key}.metrics_over_trainsteps_checkpoint.params.save_top_k=-1",
             "-l",
             str(out / "logs"),
             "-t",
@@ -77,23 +77,16 @@ def fid_curve(run_dir: Path) -> dict[int, dict[str, float]]:
     return curve
 
 
-def accuracy(ckpt: Path) -> dict[str, float]:
-    from lun.generation import load_model
+def accuracy(folder: Path, prompts: list) -> dict[str, float]:
+    """Colour / shape accuracy (scripts/eval_shapes.py's pixel analysis) of the images the
+    evaluation saved: image i was drawn for prompt i mod 18."""
+    import numpy as np
+    from PIL import Image
 
-    model = load_model(
-        argparse.Namespace(ckpt=str(ckpt), config=None, ema=None, unsafe_load=False, device="cpu")
-    )
-    shapes_args = argparse.Namespace(
-        n=4,
-        size=None,
-        seed=0,
-        template="{a} {color} {shape}",
-        sampler="ddim",
-        steps=25,
-        scale=4.0,
-        batch_size=72,
-    )
-    scores, _, _ = evaluate(model, shapes_args)
+    scores = Scores()
+    for path in sorted(folder.glob("*.png")):
+        _, color, shape = prompts[int(path.stem) % len(prompts)]
+        scores.add(analyze(np.asarray(Image.open(path).convert("RGB"))), color, shape)
     return {"colour": scores.percent(scores.color), "shape": scores.percent(scores.shape)}
 
 
@@ -151,7 +144,9 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True, help="working folder (data, run, plot)")
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=100, help="steps between evaluations")
-    parser.add_argument("--images", type=int, default=144, help="images per evaluation")
+    parser.add_argument("--images", type=int, default=54, help="images per evaluation")
+    parser.add_argument("--sampling-steps", type=int, default=10, help="DDIM steps per image")
+    parser.add_argument("--batch-size", type=int, default=16, help="training batch size")
     parser.add_argument("--features", help="a SmallCNN file (default: train one)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -167,13 +162,14 @@ def main(argv=None) -> None:
     run_dir = train(out, features, args)
     curve = fid_curve(run_dir)
     rows = []
-    for ckpt in sorted((run_dir / "checkpoints").glob("step-*.ckpt")):
-        step = int(ckpt.stem.split("-")[1])
-        if step in curve:
-            rows.append({"step": step, "fid": curve[step]["eval/fid"], **accuracy(ckpt)})
-            rows[-1]["kid"] = curve[step]["eval/kid"]
-            rows[-1]["eval_seconds"] = curve[step]["eval/seconds"]
-            print(rows[-1], flush=True)
+    prompts = prompts_to_score("{a} {color} {shape}")
+    for step, metrics in sorted(curve.items()):
+        if "eval/fid" not in metrics:
+            continue
+        folder = run_dir / "images" / "eval" / f"gs-{step:06d}"
+        rows.append({"step": step, "fid": metrics["eval/fid"], **accuracy(folder, prompts)})
+        rows[-1].update(kid=metrics["eval/kid"], eval_seconds=metrics["eval/seconds"])
+        print(rows[-1], flush=True)
     (out / "fid.json").write_text(json.dumps(rows, indent=1))
     plot(rows, out / "fid.png")
     print(f"wrote {out / 'fid.png'} and {out / 'fid.json'}")

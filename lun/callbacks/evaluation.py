@@ -74,6 +74,9 @@ class Evaluation(Callback):
             when there are fewer images).
         grid_images: images in the logged grid (0: none).
         at_end: also evaluate when training ends.
+        save_images: also save every drawn image (first weights only) as
+            `images/eval/gs-<step>/<index>.png`; image i had input i (cycled) and batch
+            i // batch_size's seed.
         cache_dir: where reference features are cached (default $LUN_CACHE_DIR/eval or
             ~/.cache/lun/eval).
     """
@@ -99,6 +102,7 @@ class Evaluation(Callback):
         kid_subset_size: int = 1000,
         grid_images: int = 16,
         at_end: bool = True,
+        save_images: bool = False,
         cache_dir: str | None = None,
     ):
         from lun.eval.clip_score import check_clip_folder
@@ -146,7 +150,7 @@ class Evaluation(Callback):
         self.batch_size, self.feature_size = batch_size, feature_size
         self.reference_images, self.cache_dir = reference_images, cache_dir
         self.kid_subsets, self.kid_subset_size = kid_subsets, kid_subset_size
-        self.grid_images, self.at_end = grid_images, at_end
+        self.grid_images, self.at_end, self.save_images = grid_images, at_end, save_images
         self.extractor = self.scorer = None
         self._reference_features: np.ndarray | None = None
         self._last_step: int | None = None
@@ -221,7 +225,7 @@ class Evaluation(Callback):
                 for i, which in enumerate(self.weights):
                     swap = ema_weights(trainer, pl_module) if which == "ema" else nullcontext()
                     with swap:
-                        features, clip, images = self._draw(trainer, pl_module)
+                        features, clip, images = self._draw(trainer, pl_module, save=i == 0)
                     prefix = "eval/" if i == 0 else f"eval/{which}/"
                     metrics.update(self._score(trainer, pl_module, features, clip, prefix))
                     if i == 0:
@@ -240,7 +244,7 @@ class Evaluation(Callback):
         batches = [(b, inputs[start : start + size]) for b, start in enumerate(range(0, n, size))]
         return batches[trainer.global_rank :: trainer.world_size]
 
-    def _draw(self, trainer, pl_module):
+    def _draw(self, trainer, pl_module, save: bool = False):
         """This rank's images -> all ranks' features (in batch order), CLIP scores, and the
         first images (rank 0) for the grid."""
         local, grid = [], None
@@ -259,12 +263,24 @@ class Evaluation(Callback):
             if self.scorer is not None:
                 clip = self.scorer(images.to(pl_module.device), inputs).cpu().numpy()
             local.append((b, features, clip))
+            if save and self.save_images:
+                self._save(trainer, b, images)
             if grid is None and self.grid_images:
                 grid = images[: self.grid_images].float().cpu()
         gathered = sorted(_all_gather(trainer, local), key=lambda item: item[0])
         features = np.concatenate([f for _, f, _ in gathered])
         clip = np.concatenate([c for _, _, c in gathered]) if self.scorer is not None else None
         return features, clip, grid
+
+    def _save(self, trainer, batch_index: int, images) -> None:
+        from lun.generation import to_pil
+
+        folder = (
+            Path(trainer.default_root_dir) / "images" / "eval" / f"gs-{trainer.global_step:06d}"
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        for k, image in enumerate(images):
+            to_pil(image).save(folder / f"{batch_index * self.batch_size + k:05d}.png")
 
     def _score(self, trainer, pl_module, features, clip, prefix: str) -> dict[str, float]:
         from lun.eval.fid import fid_kid

@@ -60,6 +60,7 @@ def test_metrics_reach_callback_metrics_and_the_best_checkpoint(
         kid_subset_size=4,
         kid_subsets=5,
         at_end=False,
+        save_images=True,
         cache_dir=str(tmp_path / "cache"),
     )
     recorder = Recorder(every=2)
@@ -79,6 +80,8 @@ def test_metrics_reach_callback_metrics_and_the_best_checkpoint(
     assert len(set(fids.values())) == 3  # training changed the images
     assert float(best.best_model_score) == pytest.approx(min(fids.values()), rel=1e-6)
     assert best.best_model_path.endswith("best.ckpt")
+    saved = sorted((tmp_path / "images" / "eval" / "gs-000004").glob("*.png"))
+    assert [p.stem for p in saved] == [f"{i:05d}" for i in range(6)]  # image i of the 6
     grids = sorted((tmp_path / "images" / "eval").glob("*.png"))
     assert [g.name for g in grids] == [f"samples_gs-{s:06d}.png" for s in (2, 4, 6)]
     # The same weights and seeds give the same numbers (logged as float32): a fresh evaluation
