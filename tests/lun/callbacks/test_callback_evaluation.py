@@ -130,3 +130,49 @@ def test_launcher_refuses_a_missing_prompt_file_before_the_run_folder(
         "(one prompt per line)"
     )
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow  # a launcher subprocess training the tiny LatentDiffusion
+def test_launcher_run_logs_eval_metrics_with_clip_and_keeps_the_best(
+    tmp_path, tiny_config, shapes_dir, eval_files
+):
+    """The README's YAML through main.py: the real model draws from prompts, TensorBoard gets
+    eval/fid, eval/kid, eval/kid_std and eval/clip_score, and best-fid.ckpt is written."""
+    from eval_helpers import make_clip_folder, make_small_features
+    from run_helpers import run_main
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ev = "lightning.callbacks.evaluation"
+    best = "lightning.callbacks.best_fid"
+    result = run_main(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            f"{ev}.target=lun.callbacks.evaluation.Evaluation",
+            f"{ev}.params.reference={shapes_dir / 'images'}",
+            f"{ev}.params.features={make_small_features(tmp_path / 'f.safetensors', size=32)}",
+            f"{ev}.params.prompts={eval_files['prompts']}",
+            f"{ev}.params.clip={make_clip_folder(tmp_path / 'clip')}",
+            f"{ev}.params.every_n_steps=1",
+            f"{ev}.params.num_eval_images=4",
+            f"{ev}.params.steps=2",
+            f"{ev}.params.kid_subset_size=3",
+            f"{ev}.params.cache_dir={tmp_path / 'cache'}",
+            f"{best}.target=lun.callbacks.checkpoints.Checkpoint",
+            f"{best}.params={{monitor: eval/fid, mode: min, every_n_train_steps: 1, filename: best-fid}}",
+            "-l",
+            str(tmp_path / "logs"),
+            "-t",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = (tmp_path / "logs").iterdir()
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    for tag in ("eval/fid", "eval/kid", "eval/kid_std", "eval/clip_score"):
+        assert [e.step for e in events.Scalars(tag)] == [1, 2], tag
+    assert all(0 <= e.value <= 100 for e in events.Scalars("eval/clip_score"))
+    assert "eval/samples" in events.Tags()["images"]
+    assert (run / "checkpoints" / "best-fid.ckpt").is_file()
