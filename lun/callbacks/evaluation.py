@@ -164,11 +164,15 @@ class Evaluation(Callback):
         from lun.eval.clip_score import CLIPScorer
         from lun.eval.features import load_features
 
-        self.extractor = load_features(self.features_path, self.feature_size).to(pl_module.device)
+        self.extractor = load_features(self.features_path, self.feature_size)
         if self.clip_path is not None:
-            self.scorer = CLIPScorer(self.clip_path).to(pl_module.device)
+            self.scorer = CLIPScorer(self.clip_path)
 
     def on_train_start(self, trainer, pl_module) -> None:
+        # Here, not in setup: the strategy has put the module on its device by now.
+        self.extractor.to(pl_module.device)
+        if self.scorer is not None:
+            self.scorer.to(pl_module.device)
         self._fit_started = time.perf_counter()
         self.seconds = 0.0
         if trainer.is_global_zero:
