@@ -100,7 +100,7 @@ def plot(rows: list[dict], path: Path) -> None:
     panels = [
         ("FID (shapes-classifier features) - lower is better", [("fid", (200, 30, 30))]),
         (
-            "eval_shapes accuracy % - higher is better",
+            "colour / shape accuracy % (pixel analysis) - higher is better",
             [("colour", (30, 70, 220)), ("shape", (30, 150, 50))],
         ),
     ]
@@ -148,6 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sampling-steps", type=int, default=10, help="DDIM steps per image")
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size")
     parser.add_argument("--features", help="a SmallCNN file (default: train one)")
+    parser.add_argument("--resume", help="a run folder of this script: train on to --max-steps")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     if not (out / "data").is_dir():
@@ -159,7 +160,13 @@ def main(argv=None) -> None:
     features = Path(args.features) if args.features else out / "shapes-features.safetensors"
     if not features.is_file():
         run(["scripts/shapes_features.py", "--out", str(features)])
-    run_dir = train(out, features, args)
+    if args.resume:  # go on training a run of this script, to --max-steps
+        run_dir = Path(args.resume)
+        every = f"lightning.callbacks.evaluation.params.every_n_steps={args.every}"
+        steps = f"lightning.trainer.max_steps={args.max_steps}"
+        run(["main.py", "--resume", str(run_dir), steps, every, "-t"])
+    else:
+        run_dir = train(out, features, args)
     curve = fid_curve(run_dir)
     rows = []
     prompts = prompts_to_score("{a} {color} {shape}")
