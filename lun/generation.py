@@ -194,7 +194,8 @@ def load_model(args) -> torch.nn.Module:
         raise FileNotFoundError(f"checkpoint not found: {ckpt}")
     if folder and not args.config:
         raise ValueError(f"{ckpt}: a diffusers folder needs --config (the model's YAML)")
-    cfg = merge_configs([args.config] if args.config else find_config(ckpt))
+    configs = args.config if isinstance(args.config, list) else [args.config]  # or several
+    cfg = merge_configs(configs if args.config else find_config(ckpt))
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)
     model = instantiate_from_config(to_container(cfg.model))

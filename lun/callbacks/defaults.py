@@ -5,7 +5,7 @@ Names follow the original CompVis `main.py` where the role is the same (`learnin
 `metrics_over_trainsteps_checkpoint`, `modelcheckpoint`, `image_logger`), so overrides written
 for the original configs land on the matching callback.
 
-EMA and the image logger are opt-in. In a config:
+EMA, the image logger and the evaluation are opt-in. In a config:
 
     lightning:
       callbacks:
@@ -27,6 +27,12 @@ EMA and the image logger are opt-in. In a config:
             scale: 5.0
             log_first_step: true
             reconstructions: true
+        evaluation:                    # FID / KID / CLIP score (lun.callbacks.evaluation)
+          target: lun.callbacks.evaluation.Evaluation
+          params: {reference: real/, features: pt_inception.pth, prompts: prompts.txt}
+        best_fid:                      # the checkpoint with the lowest eval/fid
+          target: lun.callbacks.checkpoints.Checkpoint
+          params: {monitor: eval/fid, mode: min, every_n_train_steps: 5000, filename: best-fid}
         modelcheckpoint:               # the frequent checkpoint
           params:
             every_n_train_steps: 5000  # its file is then `every-5k-steps.ckpt`
