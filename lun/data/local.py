@@ -208,11 +208,14 @@ class Local(torch.utils.data.Dataset):
         start = time.perf_counter()
         listing = walk(self.data_root)
         every_nth = self.metadata.consider_every_nth if self.metadata else None
+        exclude_nth = self.metadata.exclude_every_nth if self.metadata else None
         options = {
             "metadata": self.metadata is not None,
             "every_nth": every_nth,
             "aspect": need_aspect,
         }
+        if exclude_nth:  # (only then: the indexes cached before this option keep their keys)
+            options["exclude_every_nth"] = exclude_nth
         if need_aspect:  # header reads refuse images above the limit: a new limit, a new index
             options["max_pixels"] = self.max_image_pixels
         key = cache_key(self.data_root, listing, options)
@@ -223,7 +226,9 @@ class Local(torch.utils.data.Dataset):
             if self.metadata is None:
                 records, skipped = flat_records(listing)
             else:
-                records, skipped, noted = metadata_records(self.data_root, listing, every_nth)
+                records, skipped, noted = metadata_records(
+                    self.data_root, listing, every_nth, exclude_nth
+                )
             if need_aspect:
                 skipped += read_aspects(self.data_root, records, self.max_image_pixels)
             index = {"records": records, "skipped": skipped, "noted": noted}
