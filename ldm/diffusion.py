@@ -310,7 +310,8 @@ class LatentDiffusion(pl.LightningModule):
         return self.validation_loss.step(self, batch, batch_idx)
 
     def on_validation_epoch_end(self) -> None:
-        """Logs `val/loss`, its timestep buckets `val/loss_t<lo>-<hi>`, and under the original
+        """Logs `val/loss`, its timestep buckets `val/loss_t<lo>-<hi>`, the number of items
+        `val/items`, and under the original
         models' names `val/loss_simple` and `val/loss_simple_ema`, so a `monitor:` written for
         either finds its key. The weights are those the trainer validates: the EMA weights when
         an EMA callback swaps them in (`validate_with_ema`, its default), the raw weights
@@ -318,6 +319,7 @@ class LatentDiffusion(pl.LightningModule):
         figures = self.validation_loss.finish(self)
         if "val/loss" in figures:
             figures["val/loss_simple"] = figures["val/loss_simple_ema"] = figures["val/loss"]
+            figures["val/items"] = self.validation_loss.items  # each counted once
         for key, value in figures.items():
             # Already reduced over all ranks: "max" of equal values keeps them bit for bit.
             self.log(key, value, prog_bar=key == "val/loss", sync_dist=True, reduce_fx="max")

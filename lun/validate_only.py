@@ -6,7 +6,8 @@ without training and without writing into its run folder.
 
 The weights are the checkpoint's EMA weights when it has them (what a run validates with the
 default `EMA(validate_with_ema=True)`), else its raw ones; `--raw-weights` takes the raw ones. The
-figures are those a training run logs at that step: `val/loss` and one per timestep bucket.
+figures are what the model logs in validation, as a training run logs them at that step (for
+LatentDiffusion `val/loss`, one per timestep bucket and `val/items`, ldm/validation.py).
 """
 
 import json
@@ -18,12 +19,12 @@ from lun.config import ConfigError
 log = logging.getLogger(__name__)
 
 
-def validation_table(figures: dict[str, float], items: int, source: str) -> str:
-    """The figures as lines: the overall mean, then one line per timestep bucket."""
-    lines = [f"validation loss of {source}, {items} items (fixed timesteps and noise per item)"]
+def validation_table(figures: dict[str, float], source: str) -> str:
+    """The validation figures as lines, in the order the model logged them (6 digits)."""
+    lines = [f"validation of {source}"]
     width = max(len(name) for name in figures)
     for name, value in figures.items():
-        lines.append(f"  {name:<{width}}  {value:.6f}")
+        lines.append(f"  {name:<{width}}  {value:.6g}")
     return "\n".join(lines)
 
 
@@ -68,16 +69,15 @@ def validate_checkpoint(
     kwargs.update(logger=False, callbacks=[], enable_checkpointing=False)
     kwargs["enable_model_summary"] = False
     trainer = Trainer(**kwargs)
-    trainer.validate(model, datamodule=data, verbose=False)
-    figures = model.validation_loss.last
+    (metrics,) = trainer.validate(model, datamodule=data, verbose=False)
     if not is_rank_zero():
         return 0
-    print(validation_table(figures, model.validation_loss.items, weights))
+    figures = {name: float(value) for name, value in metrics.items()}
+    print(validation_table(figures, weights))
     if out is not None:
         record = {
             "checkpoint": str(ckpt_path) if ckpt_path else None,
             "weights": weights,
-            "items": model.validation_loss.items,
             "figures": figures,
         }
         Path(out).write_text(json.dumps(record, indent=2) + "\n")
