@@ -75,8 +75,8 @@ class FixedNoiseValidation:
     def step(self, model, batch, batch_idx: int) -> torch.Tensor:
         """Per-item losses (B, K) of the batch at their fixed draws, kept for `finish`; returns
         the batch's mean."""
-        keys = self._item_keys(model, batch, batch_idx)
         z = clean_latent(model, batch)
+        keys = self._item_keys(model, batch, batch_idx, len(z))
         cond = model.conditioning(batch)  # no caption dropout: drop=False
         draws = [self.draws(key, tuple(z.shape[1:])) for key in keys.tolist()]
         t = torch.stack([d[0] for d in draws]).to(z.device)  # (B, K)
@@ -88,7 +88,7 @@ class FixedNoiseValidation:
         self._losses.append(losses.double().cpu())
         return losses.mean()
 
-    def _item_keys(self, model, batch, batch_idx: int) -> torch.Tensor:
+    def _item_keys(self, model, batch, batch_idx: int, size: int) -> torch.Tensor:
         if ITEM_KEY in batch:
             return torch.as_tensor(batch[ITEM_KEY]).long().cpu()
         # A dataset that does not say which item is which (a stream, a custom collate): key by
@@ -102,7 +102,6 @@ class FixedNoiseValidation:
             self._warned = True
         trainer = model._trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer else (0, 1)
-        size = len(next(v for v in batch.values() if hasattr(v, "__len__")))
         return (batch_idx * world + rank) * (1 << 20) + torch.arange(size)
 
     def finish(self, model) -> dict[str, float]:

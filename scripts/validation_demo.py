@@ -44,6 +44,8 @@ class Clock(pl.Callback):
     def on_validation_end(self, trainer, pl_module):
         self.validation += time.perf_counter() - self._start_validation
         self.rows.append((trainer.global_step, dict(pl_module.validation_loss.last)))
+        figures = " ".join(f"{k}={v:.4f}" for k, v in self.rows[-1][1].items())
+        print(f"step {trainer.global_step}: {figures}", flush=True)
 
 
 def main() -> None:
