@@ -111,10 +111,13 @@ def test_validate_only_prints_the_figures_and_leaves_the_run_folder(
         "data.params.validation.target=lun.data.local.Local",
         f"data.params.validation.params.data_root={shapes_dir}",
         "data.params.validation.params.size=32",
+        "data.params.validation.params.limit_images=6",
     ]
     out = tmp_path / "figures.json"
     result = run_main(
-        ["--validate-only", str(trained_run), "--out", str(out), *validation], cwd=tmp_path
+        ["--validate-only", str(trained_run), "--out", str(out), *validation],
+        cwd=tmp_path,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p for p in trained_run.rglob("*")) == files
@@ -131,18 +134,20 @@ def test_validate_only_prints_the_figures_and_leaves_the_run_folder(
         "val/loss_simple_ema",
         "val/items",
     ]
-    assert figures["val/items"] == 16
+    assert figures["val/items"] == 6
     for name, value in figures.items():
         assert f"  {name:<19}  {value:.6g}\n" in result.stdout
     # The EMA weights, not the raw ones (the run trained 2 steps: they differ).
     raw = run_main(
-        ["--validate-only", str(trained_run), "--raw-weights", *validation], cwd=tmp_path
+        ["--validate-only", str(trained_run), "--raw-weights", *validation],
+        cwd=tmp_path,
+        timeout=900,
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     assert "(raw weights)" in raw.stdout
     assert f"{figures['val/loss']:.6g}" not in raw.stdout
     # Without a validation set: one line, exit status 2.
-    bare = run_main(["--validate-only", str(trained_run)], cwd=tmp_path)
+    bare = run_main(["--validate-only", str(trained_run)], cwd=tmp_path, timeout=900)
     assert bare.returncode == 2
     assert bare.stderr.strip().splitlines()[-1] == (
         "config error: --validate-only: the config has no data.params.validation "
