@@ -4,10 +4,11 @@ the validation time as a share of the training time.
 
     python scripts/make_shapes.py --out data/shapes --n 4000 --size 16 --seed 0
     python scripts/make_shapes.py --out data/shapes_val --n 256 --size 16 --seed 1
-    python scripts/validation_demo.py --steps 300 --every 100
+    python scripts/validation_demo.py --steps 200 --every 50 data.params.validation.params.limit_images=128
 
-It trains configs/demo/shapes.yaml with configs/demo/shapes_validation.yaml (its EMA validates,
-as in a run) and writes nothing. Timings on a shared machine are noisy: repeat them.
+It trains configs/demo/shapes.yaml with VALIDATION below as its held-out set (another seed of
+make_shapes: none of its images is a training image; its EMA validates, as in a run) and writes
+nothing. Timings on a shared machine are noisy: repeat them.
 """
 
 import argparse
@@ -22,7 +23,15 @@ from lun.config import merge_configs, to_container
 from lun.trainer import build_data, build_model
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = [ROOT / "configs/demo/shapes.yaml", ROOT / "configs/demo/shapes_validation.yaml"]
+CONFIG = ROOT / "configs/demo/shapes.yaml"
+# The demo's held-out set, as a run's config would give it.
+VALIDATION = [
+    "data.params.validation.target=lun.data.local.Local",
+    "data.params.validation.params.data_root=data/shapes_val",
+    "data.params.validation.params.size=16",
+    "data.params.validation.batch_size=128",
+    "lightning.trainer.check_val_every_n_epoch=null",  # val_check_interval counts steps
+]
 
 
 class Clock(pl.Callback):
@@ -56,11 +65,12 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the configs")
     args = parser.parse_args()
     dotlist = [
+        *VALIDATION,
         f"lightning.trainer.max_steps={args.steps}",
         f"lightning.trainer.val_check_interval={args.every}",
         *args.overrides,
     ]
-    config = to_container(merge_configs([str(c) for c in CONFIGS], dotlist))
+    config = to_container(merge_configs([str(CONFIG)], dotlist))
     pl.seed_everything(args.seed, workers=True)
     data, model = build_data(config["data"]), build_model(config["model"])
     model.learning_rate = config["model"]["base_learning_rate"]
