@@ -94,6 +94,19 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--gpus", help="legacy: '0,' or '0,1' (indices) or a count -> lightning.trainer.devices"
     )
+    parser.add_argument(
+        "--validate-only",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="CKPT_OR_RUN",
+        help="print the fixed-noise validation loss of a checkpoint (or of --resume's) and exit; "
+        "writes nothing into the run folder (lun/validate_only.py)",
+    )
+    parser.add_argument("--out", help="--validate-only: also write the figures to this JSON file")
+    parser.add_argument(
+        "--raw-weights", action="store_true", help="--validate-only: not the EMA weights"
+    )
     opt, dotlist = parser.parse_known_args(argv)
     # `--base a.yaml b.yaml key=value ~key` puts overrides into --base's list: move them out.
     overrides = [a for a in opt.base if "=" in a or a.startswith("~")]
@@ -167,7 +180,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     legacy = legacy_resume(cfg) if cfg is not None else None  # Lightning 1.x's way to --resume
     if legacy and opt.resume:
         raise ConfigError("give --resume or lightning.trainer.resume_from_checkpoint, not both")
-    resume = opt.resume or legacy
+    resume = opt.resume or legacy or (opt.validate_only if opt.validate_only is not True else "")
     if resume:
         resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
         run_dir, ckpt_path = resume_target(resume)
@@ -227,6 +240,12 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
 
+    if opt.validate_only:  # before the run folder: validating writes nothing there
+        from lun.validate_only import validate_checkpoint
+
+        return validate_checkpoint(
+            model, data, lightning_cfg, ckpt_path, opt.out, opt.raw_weights, opt.unsafe_load
+        )
     # The memory plan, before the run folder: a run that cannot fit stops here (exit 2). Other
     # ranks are started by rank 0's `fit`, after its plan passed.
     plan = None

@@ -19,6 +19,7 @@ from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
+from ldm.validation import FixedNoiseValidation
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ class LatentDiffusion(pl.LightningModule):
 
         betas = schedule_betas(**(schedule or {}))
         self.num_timesteps = len(betas)
+        self.validation_loss = FixedNoiseValidation(self.num_timesteps, TIMESTEP_BUCKETS)
         for name, value in schedule_buffers(betas).items():
             self.register_buffer(name, value, persistent=schedule_in_checkpoint)
 
@@ -298,25 +300,29 @@ class LatentDiffusion(pl.LightningModule):
         self._loss_window[1].append(t)
         return torch.cat(self._loss_window[0]), torch.cat(self._loss_window[1])
 
+    # --- validation: fixed t and noise per item (ldm.validation) ----------------------------
+    def on_validation_epoch_start(self) -> None:
+        self.validation_loss.reset()
+
     def validation_step(self, batch, batch_idx):
-        """Logs `val/loss`, and under the original models' names `val/loss_simple` and
-        `val/loss_simple_ema`, so a `monitor:` written for either finds its key. The weights are
-        those the trainer validates: the EMA weights when an EMA callback swaps them in for
-        validation (`validate_with_ema`, its default), the raw weights otherwise - the same
-        value under all three names (ldm cannot see the callback, and a second pass with the
-        other weights would double the validation time)."""
-        # A generator seeded by the batch index: the same t and noise at every validation.
-        generator = torch.Generator(self.device).manual_seed(batch_idx)
-        loss, per_sample, _ = self.diffusion_loss(batch, generator)
-        for key in ("val/loss", "val/loss_simple", "val/loss_simple_ema"):
-            self.log(
-                key,
-                loss,
-                prog_bar=key == "val/loss",
-                sync_dist=True,
-                batch_size=per_sample.shape[0],
-            )
-        return loss
+        """The batch's loss at each item's fixed timesteps and noise (`ldm.validation`); the
+        figures are logged once all ranks are done, in `on_validation_epoch_end`."""
+        return self.validation_loss.step(self, batch, batch_idx)
+
+    def on_validation_epoch_end(self) -> None:
+        """Logs `val/loss`, its timestep buckets `val/loss_t<lo>-<hi>`, the number of items
+        `val/items`, and under the original
+        models' names `val/loss_simple` and `val/loss_simple_ema`, so a `monitor:` written for
+        either finds its key. The weights are those the trainer validates: the EMA weights when
+        an EMA callback swaps them in (`validate_with_ema`, its default), the raw weights
+        otherwise - the same value under all three names (ldm cannot see the callback)."""
+        figures = self.validation_loss.finish(self)
+        if "val/loss" in figures:
+            figures["val/loss_simple"] = figures["val/loss_simple_ema"] = figures["val/loss"]
+            figures["val/items"] = self.validation_loss.items  # each counted once
+        for key, value in figures.items():
+            # Already reduced over all ranks: "max" of equal values keeps them bit for bit.
+            self.log(key, value, prog_bar=key == "val/loss", sync_dist=True, reduce_fx="max")
 
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):
         """Noise the latents at random t, predict eps or v; returns (loss, per-sample loss, t)."""
@@ -333,6 +339,12 @@ class LatentDiffusion(pl.LightningModule):
             noise = noise + self.offset_noise * torch.randn(
                 b, z.shape[1], 1, 1, generator=generator, device=z.device, dtype=z.dtype
             )
+        per_sample = self.loss_at(z, cond, t, noise, batch)
+        return per_sample.mean(), per_sample.detach(), t
+
+    def loss_at(self, z, cond, t, noise, batch) -> torch.Tensor:
+        """Per-sample loss (B,) of the latents z noised with `noise` at timesteps t."""
+        b = z.shape[0]
         a = self.sqrt_alphas_cumprod[t].view(b, 1, 1, 1)
         s = self.sqrt_one_minus_alphas_cumprod[t].view(b, 1, 1, 1)
         x_t = a * z + s * noise
@@ -355,7 +367,7 @@ class LatentDiffusion(pl.LightningModule):
             per_sample = per_sample + vlb.vlb_bits_per_dim(self.betas, z, x_t, t, pred_x0, variance)
         if "loss_weight" in batch:  # per-image weights from the data (DreamBooth's prior loss)
             per_sample = per_sample * batch["loss_weight"].to(per_sample)
-        return per_sample.mean(), per_sample.detach(), t
+        return per_sample
 
     def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
         """min(SNR, gamma) / SNR for eps, min(SNR, gamma) / (SNR + 1) for v (Hang et al. 2023, Eq. 10)."""

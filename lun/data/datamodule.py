@@ -28,6 +28,9 @@ For the launcher:
   number in the epoch) - `lun.rng.seeded` - so its flips and crops are the same on any rank, with
   any number of workers, loaded ahead or not, and after a resume. The training process's own
   streams are left as they were (what `lun.callbacks.rng_state` saves and restores).
+  Validation and test items are loaded each under streams seeded by (seed, the item's index) and
+  carry that index (`ldm.validation.ITEM_KEY`): every pass sees the same items with the same
+  timesteps and noise, whatever the batch size and number of devices.
 """
 
 import difflib
@@ -41,8 +44,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ldm.util import instantiate_from_config
+from ldm.validation import ITEM_KEY
 from lun.config import ConfigError
 from lun.data.buckets import BucketBatchSampler
+from lun.data.held_out import check_held_out
 from lun.rng import seeded
 
 LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
@@ -94,18 +99,30 @@ class KeyedBatches(Sampler):
 class SeededItems(Dataset):
     """A map-style dataset loaded a batch at a time (from KeyedBatches), each batch under streams
     seeded by its key: its random draws (flips, crops, tag shuffles) depend on which batch it is,
-    not on which process loads it or what was loaded before."""
+    not on which process loads it or what was loaded before.
 
-    def __init__(self, dataset: Dataset):
-        self.dataset = dataset
+    held_out: a validation or test set - each item is loaded under streams seeded by (seed, its
+    index) instead, the same at every pass whatever the batch size and number of devices, and
+    carries its index as `ldm.validation.ITEM_KEY`, which fixes its timesteps and noise.
+    """
+
+    def __init__(self, dataset: Dataset, held_out: bool = False):
+        self.dataset, self.held_out = dataset, held_out
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitems__(self, keyed_batch: tuple) -> list:
         key, indices = keyed_batch
-        with seeded(key):
-            return [self.dataset[i] for i in indices]
+        if not self.held_out:
+            with seeded(key):
+                return [self.dataset[i] for i in indices]
+        items = []
+        for i in indices:
+            with seeded((key[0], i)):
+                item = self.dataset[i]
+            items.append({**item, ITEM_KEY: i} if isinstance(item, dict) else item)
+        return items
 
 
 class EpochLoader(DataLoader):
@@ -199,6 +216,8 @@ class DataModule(L.LightningDataModule):
                     from lun.data.latent_cache import CachedLatents
 
                     self.datasets[split] = CachedLatents(self.datasets[split], self.cache)
+                if split == "validation" and "train" in self.datasets:
+                    check_held_out(self.datasets["train"], self.datasets["validation"])
 
     def batch_size(self, split: str = "train") -> int:
         """Images per batch on each device for `split` (its own setting, else the default)."""
@@ -273,7 +292,7 @@ class DataModule(L.LightningDataModule):
                 on_epoch_start=functools.partial(_summarize_epoch, dataset) if train else None,
             )
             loader = EpochLoader(
-                SeededItems(dataset),
+                SeededItems(dataset, held_out=not train),
                 batch_sampler=KeyedBatches(ordering),
                 collate_fn=getattr(dataset, "collate", None),  # its own (DreamBooth's pairs)
                 epochs=ordering,

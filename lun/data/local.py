@@ -224,11 +224,14 @@ class Local(torch.utils.data.Dataset):
         if self._cache is not None:
             self._listing = {rel: {"size": size, "version": stamp} for rel, size, stamp in listing}
         every_nth = self.metadata.consider_every_nth if self.metadata else None
+        exclude_nth = self.metadata.exclude_every_nth if self.metadata else None
         options = {
             "metadata": self.metadata is not None,
             "every_nth": every_nth,
             "aspect": need_aspect,
         }
+        if exclude_nth:  # (only then: the indexes cached before this option keep their keys)
+            options["exclude_every_nth"] = exclude_nth
         if need_aspect:  # header reads refuse images above the limit: a new limit, a new index
             options["max_pixels"] = self.max_image_pixels
         key = cache_key(self.data_root, listing, options)
@@ -240,7 +243,7 @@ class Local(torch.utils.data.Dataset):
                 records, skipped = flat_records(listing)
             else:
                 records, skipped, noted, passed_over = metadata_records(
-                    self.path, listing, every_nth
+                    self.path, listing, every_nth, exclude_nth
                 )
             if need_aspect:
                 skipped += read_aspects(self.path, records, self.max_image_pixels)
@@ -252,8 +255,10 @@ class Local(torch.utils.data.Dataset):
             }
             save_cached(cache_dir or None, key, index)
         dropped = Counter()
-        if every_nth:
-            dropped[f"not every nth (consider_every_nth={every_nth})"] = index["not_every_nth"]
+        if every_nth or exclude_nth:
+            rules = [f"consider_every_nth={every_nth}"] * bool(every_nth)
+            rules += [f"exclude_every_nth={exclude_nth}"] * bool(exclude_nth)
+            dropped[f"not every nth ({', '.join(rules)})"] = index["not_every_nth"]
         dropped.update(reason for _, reason, _ in index["skipped"])
         # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
         # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.

@@ -34,6 +34,9 @@ class MetadataParams:
     """The `metadata_params:` of lun.data.local.Local (absent = flat-file mode).
 
     consider_every_nth: use only every n-th JSON file in sorted order (e.g. a validation subset).
+    exclude_every_nth: leave out every n-th JSON file in sorted order - exactly the files that
+        `consider_every_nth: n` takes from the same folder, so a training set with this and a
+        validation set with that are disjoint (a held-out split; lun.data.held_out checks it).
     shuffle_tag_p: probability that an image's caption tags are shuffled - drawn once per image at
         indexing (seeded by the run's seed and the image's path), so the image keeps that order
         for the run. Unshuffled tags are sorted (see `caption_sorter`, `sort_tags`).
@@ -62,6 +65,7 @@ class MetadataParams:
     """
 
     consider_every_nth: int | None = None
+    exclude_every_nth: int | None = None
     shuffle_tag_p: float = 0.0
     reshuffle_tag_p: float = 0.0
     keep_tokens: int = 0
@@ -107,6 +111,16 @@ class MetadataParams:
             sort_key(params.caption_sorter)  # an import error is a config error, now
         if params.consider_every_nth is not None and params.consider_every_nth < 1:
             raise ValueError("metadata_params.consider_every_nth: expected an integer >= 1")
+        if params.exclude_every_nth is not None:
+            if isinstance(params.exclude_every_nth, bool) or not (
+                isinstance(params.exclude_every_nth, int) and params.exclude_every_nth >= 2
+            ):
+                raise ValueError("metadata_params.exclude_every_nth: expected an integer >= 2")
+            if params.consider_every_nth is not None:
+                raise ValueError(
+                    "metadata_params.exclude_every_nth: give it or consider_every_nth, not both "
+                    "(the training split leaves out what the validation split takes)"
+                )
         if params.aspect_range is not None:
             low, high = params.aspect_range
             if not 0 < low <= high:
@@ -201,15 +215,20 @@ def image_path(path: str) -> str:
     return image
 
 
-def metadata_records(path_of, listing, every_nth: int | None) -> tuple[dict, list, list, int]:
+def metadata_records(
+    path_of, listing, every_nth: int | None, exclude_every_nth: int | None = None
+) -> tuple[dict, list, list, int]:
     """Columns {"image", "tags", "score", "aspect"} from `metadata/**/*.json` (`path_of`: the
     local file of a path relative to data_root - lun.data.local.Local.path), the
     [(path, reason, detail)] of metadata files left out (unreadable, malformed, image missing,
     path outside data_root), those of files kept with a problem (not UTF-8), and how many files
-    `consider_every_nth` passed over (counted, not listed: it is a choice, not bad input)."""
+    `consider_every_nth` / `exclude_every_nth` passed over (counted, not listed: a choice, not bad
+    input)."""
     sizes = {rel: size for rel, size, _ in listing}
     found = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
     files = found[:: every_nth or 1]
+    if exclude_every_nth:  # the complement of files[::exclude_every_nth]
+        files = [rel for i, rel in enumerate(files) if i % exclude_every_nth]
     records = {"image": [], "tags": [], "score": [], "aspect": []}
     skipped, noted = [], []
     for rel in files:
