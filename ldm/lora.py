@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ldm import checkpoint, lora_kohya
+from ldm import checkpoint, lora_fast, lora_kohya
 
 ADAPTER = "default"  # peft's adapter name for the adapters we train
 # Layers per target group, by the end of their CompVis name (UNetModel / SpatialTransformer).
@@ -223,6 +223,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
         param.requires_grad_(checkpoint.is_adapter_name(name))
         if param.requires_grad:
             param.data = param.data.float()  # adapters in fp32 whatever the base's dtype
+    lora_fast.use_fast_forward(model)  # plain LoRA Linear layers: one GEMM for the update
     # Files in the original layout (ours, original SD) load into peft's names. Registered after
     # LatentDiffusion's own hook, which accepts the text encoder's forms first.
     model.register_load_state_dict_pre_hook(

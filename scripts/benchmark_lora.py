@@ -2,8 +2,10 @@
 
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -12,11 +14,11 @@ from benchmark import (
     DTYPES,
     UNET_PARAMS,
     _proc_status,
-    alternated_median_seconds,
     build_unets,
     cpu_has_bf16,
     inputs,
     original_config,
+    synchronize,
     train_step,
 )
 
@@ -87,10 +89,27 @@ def lora_memory_child(which: str, device) -> None:
     print(json.dumps({"peak": peak}))
 
 
+def paired_seconds(steps: dict, device, repeats, warmup) -> dict:
+    """Seconds of each step of the two callables, run in pairs whose order alternates (on a
+    shared machine the load swings within a run; a pair shares it, and neither always goes
+    first). Returns every timed step, pair by pair."""
+    times = {label: [] for label in steps}
+    order = list(steps)
+    for repeat in range(warmup + repeats):
+        for label in order if repeat % 2 == 0 else order[::-1]:
+            synchronize(device)
+            start = time.perf_counter()
+            steps[label]()
+            synchronize(device)
+            if repeat >= warmup:
+                times[label].append(time.perf_counter() - start)
+    return times
+
+
 def lora_section(args, device) -> list[str]:
     rows = [
         f"| LoRA train step (rank {LORA_RANK}, attn; batch 4, 32x32, ch 128) | dtype | img/s "
-        "| speed vs diffusers+peft | peak memory | memory vs diffusers+peft |",
+        "| speed vs diffusers+peft (median of pairs, range) | peak memory | memory vs diffusers+peft |",
         "|---|---|---|---|---|---|",
     ]
     peaks = {}
@@ -123,7 +142,14 @@ def lora_section(args, device) -> list[str]:
             label: lambda m=model, o=lora_optimizer(model), d=dtype: train_step(m, o, batch, d)
             for label, model in models.items()
         }
-        results = alternated_median_seconds(steps, device, args.steps, args.warmup)
+        times = paired_seconds(steps, device, args.steps, args.warmup)
+        results = {label: statistics.median(seconds) for label, seconds in times.items()}
+        # the speed-up of each pair: its median and spread say more than one ratio of medians
+        pairs = sorted(d / o for d, o in zip(times["diffusers"], times["ours"]))
+        spread = {
+            "diffusers": "1.00x",
+            "ours": f"{statistics.median(pairs):.2f}x ({pairs[0]:.2f}-{pairs[-1]:.2f})",
+        }
         for label in ("diffusers", "ours"):
             memory = (
                 f"{peaks[label] / 2**20:.0f} MiB | {peaks[label] / peaks['diffusers']:.2f}x"
@@ -131,11 +157,11 @@ def lora_section(args, device) -> list[str]:
                 else " | "
             )
             rows.append(
-                f"| {label} | {name} | {BATCH / results[label]:.2f} | "
-                f"{results['diffusers'] / results[label]:.2f}x | {memory} |"
+                f"| {label} | {name} | {BATCH / results[label]:.2f} | {spread[label]} | {memory} |"
             )
             print(rows[-1], flush=True)
         del models, steps
+    return rows
 
 
 # The SD VAE's structure at half width (ch 64 instead of 128), 64x64 images, batch 4.
