@@ -19,7 +19,7 @@ import txt2img
 from omegaconf import OmegaConf
 from PIL import Image
 from safetensors import safe_open
-from sdxl_helpers import tiny_sdxl, tiny_sdxl_config, trained_scale_weights
+from sdxl_helpers import TEXT_WIDTH, tiny_sdxl, tiny_sdxl_config, trained_scale_weights
 
 from ldm import checkpoint, lora
 from ldm.util import instantiate_from_config
@@ -126,57 +126,79 @@ def lora_layers(module: torch.nn.Module) -> int:
     return sum(isinstance(m, LoraLayer) for m in module.modules())
 
 
-@pytest.mark.parametrize("kind", ["kohya", "diffusers"])
-def test_diffusers_sdxl_pipeline_loads_our_file_and_draws_our_txt2img_image(tmp_path, files, kind):
-    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
-        files["pipeline"], local_files_only=True
-    )
-    pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
+def load_into(pipe, lora_file) -> None:
+    """`pipe.load_lora_weights`, failing on any missing / unexpected-keys warning."""
     records = Records()
     logging.getLogger("diffusers").addHandler(records)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pipe.load_lora_weights(files[kind].parent, weight_name=files[kind].name)
+            pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name)
     finally:
         logging.getLogger("diffusers").removeHandler(records)
     said = records.lines + [str(w.message) for w in caught]
     assert not [s for s in said if "missing" in s.lower() or "unexpected" in s.lower()], said
-    # Every adapter landed: the UNet's, CLIP-L's and bigG's (its q/k/v as three layers).
+
+
+def test_diffusers_sdxl_pipeline_loads_our_files_and_draws_our_txt2img_images(tmp_path, files):
+    """Same seed, DDIM steps, guidance and size conditioning as tests/test_sdxl_export.py; the
+    kohya file and the diffusers-format file in turn on one pipeline."""
+    pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
+        files["pipeline"], local_files_only=True
+    )
+    pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
     adapters = files["adapters"]
     unet = sum(n.startswith("model.") for n in adapters)
     te1 = sum(n.startswith(checkpoint.SGM_CLIP_PREFIX) for n in adapters)
     te2 = sum(n.startswith(checkpoint.SGM_OPENCLIP_PREFIX) for n in adapters) + 2 * 2
     assert unet and te1 and te2
-    counts = [lora_layers(pipe.unet), lora_layers(pipe.text_encoder)]
-    assert counts + [lora_layers(pipe.text_encoder_2)] == [unet, te1, te2]
-
-    noise = torch.randn(
-        (1, 4, HEIGHT // 2, WIDTH // 2), generator=torch.Generator().manual_seed(SEED)
-    )  # txt2img's starting noise for this seed; the tiny VAE halves each side
-    theirs = pipe(
-        PROMPT,
-        height=HEIGHT,
-        width=WIDTH,
-        num_inference_steps=STEPS,
-        guidance_scale=SCALE,
-        latents=noise,
-        output_type="np",
-    ).images[0]
-    ours = our_image(files, tmp_path, files[kind])
-    # tests/test_sdxl_export.py's tolerance: 2e-3 of the range, plus the PNG's rounding.
-    np.testing.assert_allclose(ours, theirs, atol=2e-3 + 0.5 / 255, rtol=0)
+    for kind in ("kohya", "diffusers"):
+        load_into(pipe, files[kind])
+        # Every adapter landed: the UNet's, CLIP-L's and bigG's (its q/k/v as three layers).
+        counts = [lora_layers(c) for c in (pipe.unet, pipe.text_encoder, pipe.text_encoder_2)]
+        assert counts == [unet, te1, te2], kind
+        # txt2img's starting noise for this seed; the tiny VAE halves each side
+        shape = (1, 4, HEIGHT // 2, WIDTH // 2)
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(SEED))
+        theirs = pipe(
+            PROMPT,
+            height=HEIGHT,
+            width=WIDTH,
+            num_inference_steps=STEPS,
+            guidance_scale=SCALE,
+            latents=noise,
+            output_type="np",
+        ).images[0]
+        pipe.unload_lora_weights()
+        ours = our_image(files, tmp_path, files[kind])
+        # tests/test_sdxl_export.py's tolerance: 2e-3 of the range, plus the PNG's rounding.
+        np.testing.assert_allclose(ours, theirs, atol=2e-3 + 0.5 / 255, rtol=0, err_msg=kind)
     assert np.abs(ours - our_image(files, tmp_path, None)).max() > 0.05  # the LoRA shows
 
 
-def test_txt2img_reads_kohya_sdxl_text_encoder_layers(tmp_path, files):
-    """The file's te1 and te2 layers each change txt2img's image (a kohya SDXL file without
-    them draws another picture), so neither is skipped when merged."""
-    full = our_image(files, tmp_path, files["kohya"])
+def test_a_kohya_sdxl_file_merges_both_text_encoders(files):
+    """txt2img's merge (`ldm.lora.merge_file`) of the kohya file gives the LoRA model's own
+    conditioning - CLIP-L's part of the context, bigG's part and its pooled `vector` - where
+    the base's differs in each."""
+    config = OmegaConf.load(files["base.yaml"])
+    merged = instantiate_from_config(OmegaConf.to_container(config)["model"]).eval()
+    checkpoint.load_weights(merged, files["base"])
+    batch = {"caption": [PROMPT], "image_size": [HEIGHT, WIDTH]}
+    base = merged.conditioner.condition(batch)
     state = checkpoint.state_dict_of(checkpoint.load_file_state(files["kohya"]))
-    for prefix in ("lora_te1_", "lora_te2_"):
-        part = tmp_path / f"without-{prefix.strip('_')}.safetensors"
-        checkpoint.save_safetensors(
-            {k: v for k, v in state.items() if not k.startswith(prefix)}, part
-        )
-        assert np.abs(our_image(files, tmp_path, part) - full).max() > 0.02, prefix
+    assert lora.merge_file(merged, state) == len(files["adapters"]) + 2 * 2
+    with_lora = instantiate_from_config(
+        OmegaConf.to_container(OmegaConf.load(files["lora.yaml"]))["model"]
+    )
+    checkpoint.load_weights(with_lora.eval(), files["run"])
+    with torch.no_grad():
+        ours, expected = merged.conditioner.condition(batch), with_lora.conditioner.condition(batch)
+    width = TEXT_WIDTH  # CLIP-L's channels come first in the context, then bigG's
+    parts = {
+        "te1": lambda c: c["crossattn"][..., :width],
+        "te2": lambda c: c["crossattn"][..., width:],
+        "te2 pooled": lambda c: c["vector"][:, :width],
+    }
+    for name, part in parts.items():
+        torch.testing.assert_close(part(ours), part(expected), rtol=0, atol=1e-5, msg=name)
+        assert (part(ours) - part(base)).abs().max() > 1e-2, name
