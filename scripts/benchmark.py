@@ -33,8 +33,8 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   trainer (`AutoencoderKLTraining`'s generator loss) against diffusers' AutoencoderKL holding the
   same weights with the same loss terms (no LPIPS, no discriminator on either side), SD VAE
   structure at half width (ch 64), 64x64 images, batch 4; fp32 and bf16 (as in dit).
-- sdxl: one SDXL-structure UNet training step (width 128, transformer depth 1/2/4, text_time
-  `label_emb`, context 77x2048, batch 4, 32x32) against diffusers' UNet2DConditionModel in the
+- sdxl: one SDXL-structure UNet training step (width 64, transformer depth 1/2/4, text_time
+  `label_emb`, context 77x2048, batch 2, 32x32) against diffusers' UNet2DConditionModel in the
   same structure holding the same weights, the same fused AdamW, fp32 (scripts/benchmark_sdxl.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
