@@ -28,7 +28,7 @@ diffusers = pytest.importorskip("diffusers")
 
 pytestmark = pytest.mark.slow
 SETTINGS = "{rank: 4, alpha: 2, text_encoder: {rank: 2, alpha: 1}}"
-SEED, PROMPT, HEIGHT, WIDTH, STEPS, SCALE = 3, "a red circle", 16, 24, 5, 4.0
+SEED, PROMPT, HEIGHT, WIDTH, STEPS, SCALE = 3, "a red circle", 16, 24, 3, 4.0
 
 
 def trained_scale_adapters(model: torch.nn.Module, seed: int) -> None:
