@@ -42,6 +42,7 @@ CLIP_PREFIX = "cond_stage_model.transformer."
 # SDXL (sgm): its CLIP ViT-L is embedder 0, and sgm-trained files may add the constant
 # `denoiser.sigmas` (sqrt((1 - alphas_cumprod) / alphas_cumprod), not a weight).
 SGM_CLIP_PREFIX = "conditioner.embedders.0.transformer."
+SGM_OPENCLIP_PREFIX = "conditioner.embedders.1.model."  # SDXL's OpenCLIP bigG text tower
 SGM_CONSTANTS = ("denoiser.sigmas",)
 OPENCLIP_PREFIX = "cond_stage_model.model."  # SD 2.x's OpenCLIP text tower
 EMA_PREFIX = "model_ema."

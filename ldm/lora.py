@@ -12,6 +12,7 @@ Checkpoint key rules live in `ldm.checkpoint`, kohya / diffusers names in `ldm.l
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Mapping
 
@@ -29,7 +30,7 @@ UNET_GROUPS = {
     # LoCon: ResBlock convs, time-embedding projection and shortcut, Downsample / Upsample.
     "conv": r"\.(in_layers\.2|out_layers\.3|emb_layers\.1|skip_connection|op|conv)",
 }
-TEXT_LAYERS = r"(^|\.)encoder\.layers\.\d+\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+TEXT_LAYERS = r"(^|\.)encoder\.layers\.(\d+)\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
 OPENCLIP_LAYERS = r"transformer\.resblocks\.(\d+)\.(attn\.out_proj|mlp\.c_fc|mlp\.c_proj)"
 BASE_DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INITS = {"default": True, "gaussian": "gaussian"}  # peft's init_lora_weights: B = 0 for both
@@ -151,10 +152,21 @@ def unet_targets(unet: nn.Module, targets: tuple[str, ...]) -> list[str]:
     return [n for n, m in unet.named_modules() if _lora_able(m) and pattern.search("." + n)]
 
 
-def text_targets(text_model: nn.Module) -> list[str]:
-    """Names (in a CLIP text model) of kohya's `lora_te_` layers (attention and MLP)."""
-    pattern = re.compile(TEXT_LAYERS + "$")
-    return [n for n, m in text_model.named_modules() if _lora_able(m) and pattern.search(n)]
+def text_targets(text_model: nn.Module, used_layers: int | None = None) -> list[str]:
+    """Names (in a CLIP text model) of kohya's `lora_te_` layers (attention and MLP), of its
+    first `used_layers` encoder layers (default all)."""
+    found = [(n, re.search(TEXT_LAYERS + "$", n)) for n, m in text_model.named_modules()]
+    return [n for n, f in found if f and int(f[2]) < (used_layers or math.inf)]
+
+
+def _used_clip_layers(encoder: nn.Module) -> int | None:
+    """The CLIP layers a `layer: hidden` embedder reads (hidden_states[k] is the output of layer
+    k - 1; SDXL's layer_idx 11 leaves the last of 12 out): adapters on the others would get no
+    gradient, which DDP refuses. None: all."""
+    if getattr(encoder, "layer", None) != "hidden":
+        return None
+    layers = _clip_text_model(encoder).config.num_hidden_layers
+    return encoder.layer_idx % (layers + 1)
 
 
 def _inject(
@@ -232,12 +244,22 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
 
 
 def _add_text_adapters(encoder: nn.Module, text: TextEncoderLora, common: dict) -> None:
-    """LoRA on the CLIP (SD 1.x) or OpenCLIP (SD 2.x) text encoder's attention and MLP layers."""
+    """LoRA on the CLIP (SD 1.x) or OpenCLIP (SD 2.x) text encoder's attention and MLP layers,
+    or on both of SDXL's (sgm's conditioner: the text embedders among its `embedders`)."""
+    embedders = getattr(encoder, "embedders", None)
+    if embedders is not None:
+        towers = [e for e in embedders if _clip_text_model(e) or hasattr(e, "LAYERS")]
+        if not towers:
+            raise ValueError("model.params.lora.text_encoder: the conditioner has no text encoder")
+        for tower in towers:
+            _add_text_adapters(tower, text, common)
+        encoder.trainable = True
+        return
     alpha = text.alpha or text.rank
     clip = _clip_text_model(encoder)
     tower = getattr(encoder, "model", None)
-    if clip is not None and text_targets(clip):
-        names = text_targets(clip)
+    if clip is not None and text_targets(clip, _used_clip_layers(encoder)):
+        names = text_targets(clip, _used_clip_layers(encoder))
         ranks, alphas = dict.fromkeys(names, text.rank), dict.fromkeys(names, alpha)
         _inject(clip, names, ranks, alphas, lora_dropout=text.dropout, **common)
     elif tower is not None and hasattr(tower, "transformer") and hasattr(encoder, "LAYERS"):
@@ -248,8 +270,11 @@ def _add_text_adapters(encoder: nn.Module, text: TextEncoderLora, common: dict) 
                 "and dora: false, or leave out text_encoder"
             )
         # The blocks the conditioning uses: SD 2.x's penultimate layer leaves the last one out
-        # (as kohya's and diffusers' 23-layer CLIPTextModel of it do).
-        used = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
+        # (as kohya's and diffusers' 23-layer CLIPTextModel of it do); SDXL's pooled output
+        # reads the last block (ldm.text_encoder_xl), so there all of them.
+        skipped = 0 if getattr(encoder, "always_return_pooled", False) else None
+        skipped = encoder.LAYERS[encoder.layer] if skipped is None else skipped
+        used = len(tower.transformer.resblocks) - skipped
         linears, fused = openclip_targets(tower, used)
         _inject(
             tower,
@@ -378,6 +403,11 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
 
 
 # --- adapters as files ---------------------------------------------------------------------
+def is_sdxl(model: nn.Module) -> bool:
+    """An SDXL LatentDiffusion (sgm's conditioner of embedders): kohya names it the SDXL way."""
+    return hasattr(model.conditioner, "embedders")
+
+
 def res_blocks_of(unet: nn.Module) -> int:
     """`num_res_blocks` of a built UNetModel: the up path has num_res_blocks + 1 per level."""
     from ldm.unet import Downsample
@@ -447,11 +477,11 @@ def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict
     """The adapters of a LatentDiffusion as a kohya LoRA state dict: per layer
     `<name>.lora_down.weight` (A), `.lora_up.weight` (B), `.alpha` (0-dim) and, for DoRA,
     `.dora_scale`; kohya applies up @ down * alpha / rank, as peft does."""
-    res_blocks = res_blocks_of(model.backbone)
+    res_blocks, sdxl = res_blocks_of(model.backbone), is_sdxl(model)
     state = {}
     for name, layer in adapter_layers(model).items():
         for part, down, up in _exported_parts(name, layer, ADAPTER):
-            kohya = lora_kohya.kohya_name(part, res_blocks)
+            kohya = lora_kohya.kohya_name(part, res_blocks, sdxl)
             state[f"{kohya}.lora_down.weight"] = down
             state[f"{kohya}.lora_up.weight"] = up
             state[f"{kohya}.alpha"] = torch.tensor(float(layer.lora_alpha[ADAPTER]))
@@ -480,30 +510,6 @@ def diffusers_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                 layer.lora_magnitude_vector[ADAPTER].weight.detach().float()
             )
     return {k: v.cpu().contiguous() for k, v in state.items()}
-
-
-def kohya_metadata(model: nn.Module, settings: LoraSettings, base_version: str) -> dict[str, str]:
-    """The `ss_*` metadata kohya's train_network.py writes that loaders read (all strings)."""
-    network_args = {}
-    if "conv" in settings.targets:
-        network_args["conv_dim"] = str(settings.conv_rank or settings.rank)
-        network_args["conv_alpha"] = str(settings.conv_alpha or settings.alpha or settings.rank)
-    if settings.dora:
-        network_args["dora_wd"] = "True"
-    import json
-
-    meta = {
-        "ss_network_module": "networks.lora",
-        "ss_network_dim": str(settings.rank),
-        "ss_network_alpha": str(float(settings.alpha or settings.rank)),
-        "ss_network_dropout": str(settings.dropout),
-        "ss_base_model_version": base_version,
-        "ss_v2": str(base_version.startswith("sd_v2")),
-        "ss_training_comment": "lun-diffusion",
-    }
-    if network_args:
-        meta["ss_network_args"] = json.dumps(network_args)
-    return meta
 
 
 # --- merging -------------------------------------------------------------------------------
@@ -538,13 +544,13 @@ def merge_adapters(model: nn.Module, weight: float = 1.0, adapter: str = ADAPTER
 
 def kohya_modules(model: nn.Module) -> dict[str, str]:
     """kohya LoRA name -> module name in `model` (a LatentDiffusion without adapters), for every
-    UNet and CLIP text-encoder Linear / Conv2d that has a kohya name."""
-    res_blocks = res_blocks_of(model.backbone)
+    UNet and CLIP text-encoder Linear / Conv2d that has a kohya name (each of its names)."""
+    res_blocks, sdxl = res_blocks_of(model.backbone), is_sdxl(model)
     found = {}
     for name, module in model.named_modules():
         if _lora_able(module):
             try:
-                found[lora_kohya.kohya_name(name, res_blocks)] = name
+                found.update(dict.fromkeys(lora_kohya.kohya_names(name, res_blocks, sdxl), name))
             except ValueError:
                 continue
     return found
@@ -610,13 +616,13 @@ def _merge_split_qkv(model, state, downs: list[str], weight: float, source: str)
     q_proj/k_proj/v_proj) added to their rows of the fused `in_proj_weight` by kohya's rule,
     W += weight * alpha / rank * up @ down (no peft layer holds a third of a weight); returns
     the kohya names merged."""
-    res_blocks = res_blocks_of(model.backbone)
+    res_blocks, sdxl = res_blocks_of(model.backbone), is_sdxl(model)
     rows = {}
     for name, module in model.named_modules():
         if isinstance(getattr(module, "in_proj_weight", None), nn.Parameter):
             for index, part in enumerate("qkv"):
                 try:
-                    rows[lora_kohya.kohya_name(f"{name}.in_proj.{part}", res_blocks)] = (
+                    rows[lora_kohya.kohya_name(f"{name}.in_proj.{part}", res_blocks, sdxl)] = (
                         module,
                         index,
                     )
@@ -646,7 +652,7 @@ def merge_file(
     """Merge a LoRA file's state dict, kohya or diffusers format (its safetensors `metadata`
     may hold diffusers' alphas), into `model` at `weight` (`merge_kohya`)."""
     if lora_kohya.is_diffusers_format(state):
-        state, magnitudes = lora_kohya.from_diffusers(state, metadata)
+        state, magnitudes = lora_kohya.from_diffusers(state, metadata, is_sdxl(model))
         return merge_kohya(model, state, weight, source, magnitudes)
     return merge_kohya(model, state, weight, source)
 

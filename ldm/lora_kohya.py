@@ -1,5 +1,5 @@
 """The LoRA file formats other tools read: kohya-ss (A1111, ComfyUI, Forge, diffusers) and
-diffusers/peft - the names only; `ldm.lora` fills them with tensors.
+diffusers/peft - the names and metadata; `ldm.lora` fills them with tensors.
 
 kohya names a SD 1.x/2.x UNet module by its diffusers path with `.` -> `_`
 (`lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q`) and a CLIP text
@@ -7,14 +7,34 @@ encoder module by its transformers path (`lora_te_text_model_encoder_layers_0_se
 Our modules carry the original CompVis names, so the UNet's are mapped here: the rule is the
 inverse of AUTOMATIC1111's `convert_diffusers_name_to_compvis` (shared/reference/README.md,
 "kohya LoRA (SD1)"), written for any number of ResBlocks per level.
+
+SDXL is different: kohya-ss trains it on its own sgm UNet (library/sdxl_original_unet.py), so an
+SDXL UNet module is named by its original name (`lora_unet_input_blocks_4_1_transformer_blocks_0_
+attn1_to_q`, networks/lora.py `create_modules`: prefix + module path, `.` -> `_`), and the two
+text encoders are `lora_te1_` (CLIP ViT-L) and `lora_te2_` (OpenCLIP bigG as the HF
+CLIPTextModelWithProjection library/sdxl_model_util.py converts it to), both by their
+transformers paths. diffusers reads those names back (lora_conversion_utils.py:
+`_maybe_map_sgm_blocks_to_diffusers`, `_convert_non_diffusers_lora_to_diffusers`).
 """
 
+import json
 import re
 
-from ldm.checkpoint import BACKBONE_PREFIX, CLIP_PREFIX, OPENCLIP_PREFIX
+from ldm.checkpoint import (
+    BACKBONE_PREFIX,
+    CLIP_PREFIX,
+    OPENCLIP_PREFIX,
+    SGM_CLIP_PREFIX,
+    SGM_OPENCLIP_PREFIX,
+)
 
 UNET_PREFIX = BACKBONE_PREFIX + "diffusion_model."  # our UNet's modules in LatentDiffusion
-KOHYA_UNET, KOHYA_TEXT = "lora_unet_", "lora_te_"
+KOHYA_UNET = "lora_unet_"
+# kohya's prefix of each diffusers pipeline component: SD 1.x / 2.x, and SDXL (sdxl=True).
+KOHYA_PREFIXES = {
+    False: {"unet": KOHYA_UNET, "text_encoder": "lora_te_"},
+    True: {"unet": KOHYA_UNET, "text_encoder": "lora_te1_", "text_encoder_2": "lora_te2_"},
+}
 # Inside a ResBlock: CompVis name -> diffusers name.
 RESNET_NAMES = {
     "in_layers.0": "norm1",
@@ -105,25 +125,42 @@ def openclip_hf_path(name: str) -> str:
 
 def module_path(key: str, res_blocks: int) -> tuple[str, str]:
     """A module's name in `LatentDiffusion` -> (component, path in the diffusers pipeline's
-    component): ("unet", "down_blocks.0...") or ("text_encoder", "text_model.encoder...")."""
+    component): ("unet", "down_blocks.0...") or ("text_encoder", "text_model.encoder..."); SDXL's
+    OpenCLIP tower is ("text_encoder_2", ...), as in diffusers' StableDiffusionXLPipeline."""
     if key.startswith(UNET_PREFIX):
         return "unet", diffusers_unet_path(key.removeprefix(UNET_PREFIX), res_blocks)
-    if key.startswith(CLIP_PREFIX + "text_model."):
-        return "text_encoder", key.removeprefix(CLIP_PREFIX)
+    for prefix in (CLIP_PREFIX, SGM_CLIP_PREFIX):
+        if key.startswith(prefix + "text_model."):
+            return "text_encoder", key.removeprefix(prefix)
     if key.startswith(OPENCLIP_PREFIX + "transformer."):
         return "text_encoder", openclip_hf_path(key.removeprefix(OPENCLIP_PREFIX))
+    if key.startswith(SGM_OPENCLIP_PREFIX + "transformer."):
+        return "text_encoder_2", openclip_hf_path(key.removeprefix(SGM_OPENCLIP_PREFIX))
     raise ValueError(f"no kohya / diffusers LoRA name for module '{key}'")
 
 
-def kohya_name(key: str, res_blocks: int) -> str:
-    """A module's name in `LatentDiffusion` -> its kohya LoRA name (without `.lora_down...`)."""
+def kohya_names(key: str, res_blocks: int, sdxl: bool = False) -> list[str]:
+    """A module's name in `LatentDiffusion` -> its kohya LoRA names (without `.lora_down...`),
+    the one kohya writes first. SDXL's UNet modules keep their original name; the second
+    spelling, `lora_unet_<diffusers path>`, is what diffusers' `convert_state_dict_to_kohya`
+    writes for SDXL (and ComfyUI reads), accepted when reading."""
     component, path = module_path(key, res_blocks)
-    return (KOHYA_UNET if component == "unet" else KOHYA_TEXT) + path.replace(".", "_")
+    prefixes = KOHYA_PREFIXES[sdxl]
+    if component not in prefixes:
+        raise ValueError(f"no kohya LoRA name for module '{key}' in a non-SDXL model")
+    by_path = prefixes[component] + path.replace(".", "_")
+    if sdxl and component == "unet":
+        return [KOHYA_UNET + key.removeprefix(UNET_PREFIX).replace(".", "_"), by_path]
+    return [by_path]
+
+
+def kohya_name(key: str, res_blocks: int, sdxl: bool = False) -> str:
+    """The kohya LoRA name kohya-ss writes for a module (`kohya_names`)."""
+    return kohya_names(key, res_blocks, sdxl)[0]
 
 
 # diffusers/peft-format files: `<component>.<path>.lora_A.weight` / `.lora_B.weight` (and DoRA's
 # `.lora_magnitude_vector`), the format `pipeline.save_lora_weights` writes.
-DIFFUSERS_PREFIXES = {"unet": KOHYA_UNET, "text_encoder": KOHYA_TEXT}
 DIFFUSERS_KEY = re.compile(r"([^.]+)\.(.+)\.(lora_A|lora_B|lora_magnitude_vector)(?:\.weight)?")
 
 
@@ -140,11 +177,10 @@ def _diffusers_alpha(config: dict, component: str, path: str, rank: int) -> floa
     return float(config.get(f"{component}.lora_alpha", rank))
 
 
-def from_diffusers(state, metadata: dict | None = None) -> tuple[dict, dict]:
+def from_diffusers(state, metadata: dict | None = None, sdxl: bool = False) -> tuple[dict, dict]:
     """A diffusers-format LoRA state dict -> (the same layers under kohya names, with `.alpha`,
-    as `ldm.lora.merge_kohya` reads them; DoRA magnitudes by kohya name, peft's own values)."""
-    import json
-
+    as `ldm.lora.merge_kohya` reads them; DoRA magnitudes by kohya name, peft's own values).
+    sdxl: the file is for SDXL (components unet, text_encoder, text_encoder_2)."""
     import torch
 
     config = json.loads((metadata or {}).get("lora_adapter_metadata") or "{}")
@@ -154,13 +190,15 @@ def from_diffusers(state, metadata: dict | None = None) -> tuple[dict, dict]:
         if found is None:
             continue
         component, path, part = found.groups()
-        if component not in DIFFUSERS_PREFIXES:
+        prefixes = KOHYA_PREFIXES[sdxl]
+        if component not in prefixes:
+            family = "an SDXL" if sdxl else "a SD 1.x/2.x"
             raise ValueError(
-                f"{key}: a LoRA layer of '{component}', not of a SD 1.x/2.x UNet or text encoder"
+                f"{key}: a LoRA layer of '{component}', not of {family} UNet or text encoder"
             )
-        if component == "text_encoder" and not path.startswith("text_model."):
+        if component.startswith("text_encoder") and not path.startswith("text_model."):
             path = "text_model." + path  # transformers >= 5 dropped CLIPTextModel's level
-        name = DIFFUSERS_PREFIXES[component] + path.replace(".", "_")
+        name = prefixes[component] + path.replace(".", "_")
         if part == "lora_A":
             kohya[f"{name}.lora_down.weight"] = value
             alpha = _diffusers_alpha(config, component, path, value.shape[0])
@@ -170,3 +208,27 @@ def from_diffusers(state, metadata: dict | None = None) -> tuple[dict, dict]:
         else:
             magnitudes[name] = value
     return kohya, magnitudes
+
+
+def kohya_metadata(settings, base_version: str) -> dict[str, str]:
+    """The `ss_*` metadata kohya's train_network.py writes that loaders read (all strings), for
+    `ldm.lora.LoraSettings`; base_version: kohya's `ss_base_model_version` ("sd_v1", "sd_v2",
+    "sd_v2_v", or "sdxl_base_v1-0", sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0)."""
+    network_args = {}
+    if "conv" in settings.targets:
+        network_args["conv_dim"] = str(settings.conv_rank or settings.rank)
+        network_args["conv_alpha"] = str(settings.conv_alpha or settings.alpha or settings.rank)
+    if settings.dora:
+        network_args["dora_wd"] = "True"
+    meta = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(settings.rank),
+        "ss_network_alpha": str(float(settings.alpha or settings.rank)),
+        "ss_network_dropout": str(settings.dropout),
+        "ss_base_model_version": base_version,
+        "ss_v2": str(base_version.startswith("sd_v2")),
+        "ss_training_comment": "lun-diffusion",
+    }
+    if network_args:
+        meta["ss_network_args"] = json.dumps(network_args)
+    return meta

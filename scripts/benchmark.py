@@ -35,6 +35,9 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   trainer (`AutoencoderKLTraining`'s generator loss) against diffusers' AutoencoderKL holding the
   same weights with the same loss terms (no LPIPS, no discriminator on either side), SD VAE
   structure at half width (ch 64), 64x64 images, batch 4; fp32 and bf16 (as in dit).
+- sdxl: one SDXL-structure UNet training step (width 64, transformer depth 1/2/4, text_time
+  `label_emb`, context 77x2048, batch 2, 32x32) against diffusers' UNet2DConditionModel in the
+  same structure holding the same weights, the same fused AdamW, fp32 (scripts/benchmark_sdxl.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -385,7 +388,7 @@ def data_section(args) -> list[str]:
         return loader_table(data_args, Path(tmp))
 
 
-SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae"]
+SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl"]
 
 
 def main() -> None:
@@ -435,6 +438,7 @@ def main() -> None:
     )
     from benchmark_dit import dit_section
     from benchmark_lora import lora_section
+    from benchmark_sdxl import sdxl_section
     from benchmark_vae import vae_section
 
     sections = {
@@ -444,6 +448,7 @@ def main() -> None:
         "dit": dit_section,
         "lora": lora_section,
         "vae": vae_section,
+        "sdxl": sdxl_section,
     }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:

@@ -1,6 +1,7 @@
 """LoRA files from a LoRA run, and merges into a full checkpoint.
 
-    # kohya format (AUTOMATIC1111, ComfyUI, Forge, diffusers load_lora_weights)
+    # kohya format (AUTOMATIC1111, ComfyUI, Forge, diffusers load_lora_weights); SDXL runs in
+    # kohya's SDXL naming (lora_unet_input_blocks_..., lora_te1_, lora_te2_)
     python scripts/lora.py export logs/<run>/checkpoints/last.ckpt my-lora.safetensors
     # diffusers/peft format (pipeline.load_lora_weights reads it natively)
     python scripts/lora.py export logs/<run>/checkpoints/last.ckpt out.safetensors --format diffusers
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ldm import checkpoint, lora
+from ldm import checkpoint, lora, lora_kohya
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.generation import find_config, one_line_errors, writing
@@ -48,7 +49,8 @@ def export(args) -> None:
             "sd_v2" if model.conditioner.__class__.__name__ == "FrozenOpenCLIPEmbedder" else "sd_v1"
         )
         version += "_v" if model.parameterization == "v" else ""
-        metadata = lora.kohya_metadata(model, model.lora_settings, version)
+        version = "sdxl_base_v1-0" if lora.is_sdxl(model) else version  # kohya's SDXL version
+        metadata = lora_kohya.kohya_metadata(model.lora_settings, version)
     else:
         state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}
         metadata = {"format": "pt"}

@@ -87,3 +87,19 @@ def tiny_sdxl(seed: int = 0, extra: list | None = None):
                 std = 0.1 if param.dim() <= 1 else param[0].numel() ** -0.5
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
     return model.eval()
+
+
+def trained_scale_weights(model: torch.nn.Module, seed: int) -> None:
+    """Norms ~1, biases ~0.2, weights ~1/sqrt(fan_in) (tests/test_diffusers_folder_e2e.py's
+    rule, plus the 0-dim `logit_scale`)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for sub in model.modules():
+            for name, param in sub.named_parameters(recurse=False):
+                noise = torch.randn(param.shape, generator=generator)
+                if isinstance(sub, torch.nn.GroupNorm | torch.nn.LayerNorm):
+                    param.copy_((1.0 if name == "weight" else 0.0) + 0.2 * noise)
+                elif param.ndim <= 1:
+                    param.copy_(0.2 * noise)
+                else:
+                    param.copy_(noise / param[0].numel() ** 0.5)

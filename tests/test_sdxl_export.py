@@ -12,7 +12,7 @@ import torch
 import txt2img
 from omegaconf import OmegaConf
 from PIL import Image
-from sdxl_helpers import tiny_sdxl, tiny_sdxl_config
+from sdxl_helpers import tiny_sdxl, tiny_sdxl_config, trained_scale_weights
 
 from ldm import checkpoint, diffusers_layout
 from ldm.util import instantiate_from_config
@@ -21,22 +21,6 @@ diffusers = pytest.importorskip("diffusers")
 
 pytestmark = pytest.mark.slow
 LOGIT_SCALE = "conditioner.embedders.1.model.logit_scale"
-
-
-def trained_scale_weights(model: torch.nn.Module, seed: int) -> None:
-    """Norms ~1, biases ~0.2, weights ~1/sqrt(fan_in) (tests/test_diffusers_folder_e2e.py's
-    rule, plus the 0-dim `logit_scale`)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for sub in model.modules():
-            for name, param in sub.named_parameters(recurse=False):
-                noise = torch.randn(param.shape, generator=generator)
-                if isinstance(sub, torch.nn.GroupNorm | torch.nn.LayerNorm):
-                    param.copy_((1.0 if name == "weight" else 0.0) + 0.2 * noise)
-                elif param.ndim <= 1:
-                    param.copy_(0.2 * noise)
-                else:
-                    param.copy_(noise / param[0].numel() ** 0.5)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""scripts/benchmark.py's sdxl section: an SDXL-structure UNet training step, ours against diffusers'.
+
+SDXL's UNet (Podell et al. 2023) at reduced width: 3 levels, 2 ResBlocks each, attention at the
+two lower resolutions with transformer depth [1, 2, 4] (SDXL: [1, 2, 10]), 64-channel heads,
+linear projections, cross-attention on a 77 x 2048 context, and the `label_emb` MLP on the 2816-d
+`vector` (pooled text 1280 + 6 size / crop numbers x 256 Fourier channels); model_channels 64
+instead of 320, batch 2 of 32x32 latents. diffusers' `UNet2DConditionModel` in the same structure (addition_embed_type
+"text_time") is built by diffusers' own single-file converters from our config and holds our
+weights. Both steps take the same inputs - ours embeds the six size numbers into `vector` as our
+conditioner does, diffusers' does it inside its forward (`add_time_proj`) - and the same fused
+AdamW, fp32; they take turns step by step.
+
+    python scripts/benchmark.py --only sdxl --steps 3 --warmup 1
+"""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from benchmark import alternated_median_seconds
+from omegaconf import OmegaConf
+
+from ldm import checkpoint
+from ldm.optim import build_optimizer
+from ldm.unet import timestep_embedding
+from ldm.util import instantiate_from_config
+
+# Stability-AI's inference config, shipped unchanged
+SGM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sdxl" / "sd_xl_base.yaml"
+# SDXL: 320, [1, 2, 10]. Width 64 keeps the two models with their AdamW states (78 M parameters
+# each; at width 128, 248 M: 8 GB together) in a few GB of a CPU machine.
+NETWORK = {"model_channels": 64, "transformer_depth": [1, 2, 4]}
+BATCH, LATENT, TOKENS, CONTEXT, POOLED, SIZE_CHANNELS = 2, 32, 77, 2048, 1280, 256
+
+
+def sdxl_config() -> dict:
+    config = OmegaConf.load(SGM_CONFIG)
+    config.model.params.network_config.params.update(NETWORK)
+    config.model.params.network_config.params.use_checkpoint = False
+    return OmegaConf.to_container(config, resolve=True)
+
+
+def build_sdxl_unets(device):
+    """Our SDXL UNet and diffusers' text_time UNet2DConditionModel with the same weights (moved
+    by seeded noise: the zero-initialised output layers would leave the first layers idle)."""
+    from diffusers import UNet2DConditionModel
+    from diffusers.loaders.single_file_utils import (
+        convert_ldm_unet_checkpoint,
+        create_unet_diffusers_config_from_ldm,
+    )
+
+    config = sdxl_config()
+    torch.manual_seed(0)
+    ours = instantiate_from_config(config["model"]["params"]["network_config"])
+    with torch.no_grad():
+        for param in ours.parameters():
+            param.add_(0.02 * torch.randn(param.shape))
+    state = {
+        checkpoint.backbone_key("diffusion_model." + k): v for k, v in ours.state_dict().items()
+    }
+    diffusers_config = create_unet_diffusers_config_from_ldm(config, state)
+    assert diffusers_config["addition_embed_type"] == "text_time"  # SDXL's, from context 2048
+    theirs = UNet2DConditionModel(**diffusers_config)
+    theirs.load_state_dict(convert_ldm_unet_checkpoint(state, diffusers_config), strict=True)
+    return ours.to(device).train(), theirs.to(device).train()
+
+
+def sdxl_inputs(device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g)
+    t = torch.randint(0, 1000, (BATCH,), generator=g)
+    context = torch.randn(BATCH, TOKENS, CONTEXT, generator=g)
+    pooled = torch.randn(BATCH, POOLED, generator=g)
+    # original size, crop (top, left), target size: diffusers' add_time_ids order
+    time_ids = torch.tensor([[1024.0, 768, 0, 0, 1024, 1024]]).repeat(BATCH, 1)
+    target = torch.randn(x.shape, generator=g)
+    return [v.to(device) for v in (x, t, context, pooled, time_ids, target)]
+
+
+def sdxl_forward(model, batch):
+    x, t, context, pooled, time_ids, _ = batch
+    if type(model).__name__ == "UNet2DConditionModel":
+        added = {"text_embeds": pooled, "time_ids": time_ids}
+        return model(x, t, encoder_hidden_states=context, added_cond_kwargs=added).sample
+    # our conditioner's size embedders (ConcatTimestepEmbedderND): each number -> 256 channels
+    sizes = timestep_embedding(time_ids.reshape(-1), SIZE_CHANNELS).reshape(len(x), -1)
+    return model(x, t, {"crossattn": context, "vector": torch.cat([pooled, sizes], dim=1)})
+
+
+def sdxl_train_step(model, optimizer, batch) -> None:
+    F.mse_loss(sdxl_forward(model, batch), batch[-1]).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def sdxl_section(args, device) -> list[str]:
+    rows = [
+        f"| SDXL-structure UNet train step (batch {BATCH}, {LATENT}x{LATENT}, ch 64, depth 1/2/4) "
+        "| dtype | img/s | vs diffusers |",
+        "|---|---|---|---|",
+    ]
+    ours, theirs = build_sdxl_unets(device)
+    batch = sdxl_inputs(device)
+    with torch.no_grad():  # the same function: the comparison is of speed alone
+        gap = (sdxl_forward(ours, batch) - sdxl_forward(theirs, batch)).abs().max().item()
+    print(f"SDXL UNet outputs, ours - diffusers: max |diff| {gap:.2e}", flush=True)
+    optimizers = {  # the same optimizer on both sides: fused AdamW (ldm.optim)
+        "diffusers": build_optimizer(theirs.parameters(), lr=1e-5),
+        "ours": build_optimizer(ours.parameters(), lr=1e-5),
+    }
+    steps = {
+        label: lambda m=model, o=optimizers[label]: sdxl_train_step(m, o, batch)
+        for label, model in (("diffusers", theirs), ("ours", ours))
+    }
+    results = alternated_median_seconds(steps, device, args.steps, args.warmup)
+    for label in ("diffusers", "ours"):
+        rows.append(
+            f"| {label} | fp32 | {BATCH / results[label]:.2f} | "
+            f"{results['diffusers'] / results[label]:.2f}x |"
+        )
+        print(rows[-1], flush=True)
+    return rows
