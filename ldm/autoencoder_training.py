@@ -154,9 +154,10 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             # for its first ~20 steps. (Lightning gives CPU runs no scaler at all.)
             pixels = self.decoder.conv_out.out_channels * self.resolution**2
             first_scale = 2.0**16 / 2.0 ** math.ceil(math.log2(pixels))
-            self._grad_scalers = [
-                torch.amp.GradScaler(device, init_scale=first_scale) for _ in range(2)
-            ]
+            # The strategy's kind of scaler: FSDP's (sharded gradients) agrees across ranks on
+            # skipping an overflowing step.
+            scaler = type(plugin.scaler) if plugin.scaler is not None else torch.amp.GradScaler
+            self._grad_scalers = [scaler(device, init_scale=first_scale) for _ in range(2)]
             plugin.scaler = self._grad_scalers[0]
             if self._loaded_disc_scaler is not None:
                 self._grad_scalers[1].load_state_dict(self._loaded_disc_scaler)
