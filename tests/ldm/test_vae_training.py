@@ -142,6 +142,7 @@ def test_generator_loss_is_the_original_formula(step, factor):
         torch.testing.assert_close(log["d_weight"], d_weight, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # builds LPIPS's VGG16 (random weights)
 def test_training_surrogate_has_the_original_formulas_gradient():
     """The training step backpropagates `generator_surrogate` (split at the reconstructions, so
     FSDP can run it): its gradient on every generator weight, its loss and lambda are those of
