@@ -234,7 +234,7 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         from lun.data.latent_cache import check_cached_data
 
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
-        check_strategy_fits(model, trainer.strategy)
+        check_strategy_fits(model, trainer.strategy, resuming=ckpt_path is not None)
         if remote is not None:
             remote.attach(trainer)
     except ValueError as err:  # what lun.trainer's builders did not already name

@@ -84,6 +84,8 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         # The decoder's last conv in float32: the adaptive weight differentiates the loss there,
         # and in float16 that gradient (a sum over every pixel) overflows (see ldm.vae_loss).
         self.decoder.float32_output = True
+        self._last_input: torch.Tensor | None = None  # conv_out's input in the latest forward
+        self.decoder.conv_out.register_forward_hook(self._keep_last_input)
         if train_decoder_only:
             for name in FROZEN_BY_DECODER_ONLY:
                 getattr(self, name).requires_grad_(False)
@@ -130,6 +132,9 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         """The decoder's last weight, where the adaptive GAN weight compares gradients."""
         return self.decoder.conv_out.weight
 
+    def _keep_last_input(self, conv: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self._last_input = args[0].detach()
+
     # --- training -----------------------------------------------------------------------------
     def configure_optimizers(self):
         generator = [p for n in GENERATOR_PARTS for p in getattr(self, n).parameters()]
@@ -149,9 +154,10 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
             # for its first ~20 steps. (Lightning gives CPU runs no scaler at all.)
             pixels = self.decoder.conv_out.out_channels * self.resolution**2
             first_scale = 2.0**16 / 2.0 ** math.ceil(math.log2(pixels))
-            self._grad_scalers = [
-                torch.amp.GradScaler(device, init_scale=first_scale) for _ in range(2)
-            ]
+            # The strategy's kind of scaler: FSDP's (sharded gradients) agrees across ranks on
+            # skipping an overflowing step.
+            scaler = type(plugin.scaler) if plugin.scaler is not None else torch.amp.GradScaler
+            self._grad_scalers = [scaler(device, init_scale=first_scale) for _ in range(2)]
             plugin.scaler = self._grad_scalers[0]
             if self._loaded_disc_scaler is not None:
                 self._grad_scalers[1].load_state_dict(self._loaded_disc_scaler)
@@ -163,9 +169,12 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         recs, posterior = self(x)
 
         with self._scaler(0):
-            g_loss, g_log = self.loss.generator_loss(x, recs, posterior, step, self.last_layer())
+            # L_G through a surrogate with L_G's gradient: one backward per forward (FSDP).
+            surrogate, g_log = self.loss.generator_surrogate(
+                x, recs, posterior, step, self.decoder.conv_out, self._last_input
+            )
             opt_g.zero_grad(set_to_none=True)
-            self.manual_backward(g_loss)
+            self.manual_backward(surrogate)
             opt_g.step()  # counts the global step
 
         if self.loss.gan_factor(step) > 0:
@@ -185,7 +194,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         logs = {**g_log, **d_log}
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, batch_size=len(x))
         self.log("train/loss", g_log["total_loss"], prog_bar=True, batch_size=len(x))
-        return g_loss.detach()
+        return g_log["total_loss"]
 
     def _scaler(self, index: int):
         """Make `_grad_scalers[index]` the precision plugin's scaler for one optimizer's

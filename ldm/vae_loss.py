@@ -163,10 +163,66 @@ class LPIPSWithDiscriminator(nn.Module):
         non-finite ratio (an overflowing step, which the gradient scaler skips) gives 0."""
         nll_grad = torch.autograd.grad(nll_loss, last_layer, retain_graph=True)[0]
         g_grad = torch.autograd.grad(g_loss, last_layer, retain_graph=True)[0]
+        return self._weight_ratio(nll_grad, g_grad)
+
+    def _weight_ratio(self, nll_grad: torch.Tensor, g_grad: torch.Tensor) -> torch.Tensor:
         weight = nll_grad.float().norm() / (g_grad.float().norm() + 1e-4)
         weight = weight.clamp(0.0, MAX_ADAPTIVE_WEIGHT)
         weight = torch.where(torch.isfinite(weight), weight, torch.zeros_like(weight))
         return weight.detach() * self.disc_weight
+
+    def generator_surrogate(
+        self,
+        inputs: torch.Tensor,
+        recs: torch.Tensor,
+        posterior,
+        step: int,
+        last_conv: nn.Conv2d,
+        last_input: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """L_G for training, split at the reconstructions: `(surrogate, log)` where the
+        surrogate's gradient with respect to the generator is exactly L_G's.
+
+        L_G's terms and their gradients at `recs` are computed on a detached copy; the adaptive
+        weight's two gradients at the last layer follow from those by the convolution's weight
+        gradient (`last_conv` and its input in the forward, `last_input`), and the generator gets
+        <recs, dL_G/drecs> + w_kl * KL. So the discriminator's forward here has one backward and
+        the decoder's none before the generator's: what sharded engines (FSDP, whose units
+        gather weights for a backward and free them after it) allow, where the original
+        differentiated the loss at the last layer through both, three times per step.
+        """
+        leaf = recs.detach().float().requires_grad_()
+        with torch.autocast(inputs.device.type, enabled=False):
+            rec, p_loss = self.reconstruction(inputs, leaf)
+            nll = rec / self.logvar.exp() + self.logvar
+            nll_loss = nll.sum() / len(nll)
+            kl_loss = kl_to_standard_normal(posterior.mean, posterior.logvar).mean()
+            factor = self.gan_factor(step)
+            rec_grad = torch.autograd.grad(nll_loss, leaf)[0]
+            if factor > 0:
+                g_loss = -self.discriminator(leaf).float().mean()
+                g_grad = torch.autograd.grad(g_loss, leaf)[0]
+                weights = [
+                    conv_weight_grad(last_conv, last_input, grad) for grad in (rec_grad, g_grad)
+                ]
+                d_weight = self._weight_ratio(*weights)
+                rec_grad = rec_grad + d_weight * factor * g_grad
+            else:
+                g_loss = d_weight = torch.zeros((), device=inputs.device)
+            loss = nll_loss + self.kl_weight * kl_loss + d_weight * factor * g_loss
+            surrogate = (recs.float() * rec_grad).sum() + self.kl_weight * kl_loss
+        log = {
+            "total_loss": loss.detach(),
+            "rec_loss": rec.detach().mean(),
+            "p_loss": p_loss.detach().mean(),
+            "nll_loss": nll_loss.detach(),
+            "kl_loss": kl_loss.detach(),
+            "g_loss": g_loss.detach(),
+            "d_weight": d_weight.detach(),
+            "disc_factor": factor,
+            "logvar": self.logvar.detach(),
+        }
+        return surrogate, log
 
     def discriminator_loss(
         self, inputs: torch.Tensor, recs: torch.Tensor, step: int
@@ -182,3 +238,14 @@ class LPIPSWithDiscriminator(nn.Module):
             "logits_fake": logits_fake.detach().mean(),
         }
         return d_loss, log
+
+
+def conv_weight_grad(conv: nn.Conv2d, conv_input: torch.Tensor, out_grad: torch.Tensor):
+    """The gradient at `conv`'s weight given its input and the gradient at its output (what
+    autograd computes for the weight), in float32; the weight's shape from the layer's
+    settings, since a sharded layer's `.weight` is only its shard outside its forward."""
+    shape = (conv.out_channels, conv.in_channels // conv.groups, *conv.kernel_size)
+    return torch.nn.grad.conv2d_weight(
+        conv_input.float(), shape, out_grad.float(), conv.stride, conv.padding, conv.dilation,
+        conv.groups,
+    )  # fmt: skip

@@ -207,26 +207,32 @@ def take_held_save_signal() -> bool:
     return held
 
 
-def check_strategy_fits(model, strategy) -> None:
+def check_strategy_fits(model, strategy, resuming: bool = False) -> None:
     """Before the run folder: a module that steps its own optimizers (manual optimization: the
     autoencoder's generator and discriminator, two backward passes per batch) and the strategies
     it cannot run under - their errors would come from inside `fit`, after the folder exists.
 
-    DeepSpeed: Lightning hands it one optimizer. FSDP: its handles refuse the discriminator's
-    forward and backward after the generator's backward in one step ("Expects BACKWARD_PRE or
-    BACKWARD_POST state but got FORWARD"). DDP: each backward leaves the other optimizer's weights
-    without gradients, which DDP accepts only with `find_unused_parameters: true`.
+    DeepSpeed: Lightning hands it one optimizer. DDP: each backward leaves the other optimizer's
+    weights without gradients, which DDP accepts only with `find_unused_parameters: true`.
+    FSDP trains it (lun.strategies.FSDPStrategy makes each trainable part its own root), but
+    the optimizer states Lightning gathers into its checkpoints then do not match the weights
+    (seen: the Adam moments of a 2-process CPU run match none of DDP's, and a resumed step
+    moved a weight 20x further than a straight one): a resume is refused.
     """
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
     if model.automatic_optimization:
         return
     name = type(model).__name__
-    if isinstance(strategy, (DeepSpeedStrategy, FSDPStrategy)):
-        engine = "DeepSpeed" if isinstance(strategy, DeepSpeedStrategy) else "FSDP"
+    if resuming and isinstance(strategy, FSDPStrategy):
+        raise ConfigError(
+            f"--resume: {name} cannot resume under FSDP (its checkpoints' optimizer states are "
+            "not valid); start a new run from the weights: model.params.ckpt_path=<checkpoint>"
+        )
+    if isinstance(strategy, DeepSpeedStrategy):
         raise ConfigError(
             f"lightning.strategy: {name} steps two optimizers (manual optimization), which "
-            f"Lightning's {engine} strategy cannot run; use strategy: ddp"
+            "Lightning's DeepSpeed strategy cannot run; use strategy: ddp or fsdp"
         )
     ddp_kwargs = getattr(strategy, "_ddp_kwargs", {})  # DDPStrategy keeps its arguments there
     if isinstance(strategy, DDPStrategy) and not ddp_kwargs.get("find_unused_parameters"):

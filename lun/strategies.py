@@ -323,6 +323,19 @@ class _DeviceFSDPPrecision(FSDPPrecision):
         return super().forward_context()
 
 
+def _trainable_parts(module: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, Any]]:
+    """(parent, name, child) for each child with trainable weights that is called: one with
+    its own `forward`. A child without one (a container such as the VAE's loss, whose methods
+    call its discriminator) is searched the same way."""
+    for name, child in module.named_children():
+        if not any(p.requires_grad for p in child.parameters()):
+            continue
+        if type(child).forward is torch.nn.Module.forward:
+            yield from _trainable_parts(child)
+        else:
+            yield module, name, child
+
+
 def _frozen_children(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Direct submodules that have parameters, none of them trainable."""
     found = []
@@ -390,6 +403,8 @@ class FSDPStrategy(LightningFSDPStrategy):
         super().setup_environment()
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        if not getattr(model, "automatic_optimization", True):
+            return self._shard_parts(model)
         frozen = _frozen_children(model)
         if frozen:
             # Frozen parts (the VAE, a frozen text encoder) have no gradients or optimizer state
@@ -416,6 +431,36 @@ class FSDPStrategy(LightningFSDPStrategy):
         )
         _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
         return wrapped
+
+    def _shard_parts(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A module that steps its own optimizers (manual optimization: the VAE's generator and
+        discriminator) runs its backward passes inside `training_step`. Wrapped whole, that
+        would all be inside the root unit's forward, whose weights FSDP cannot take a backward
+        through yet ("Expects BACKWARD_PRE or BACKWARD_POST state but got FORWARD"). So each
+        trainable part it calls (`_trainable_parts`) becomes its own FSDP root instead (the
+        `auto_wrap_modules` nested in it), each called, then differentiated once, as FSDP
+        expects; the module itself stays unwrapped. Weights stay float32 as under DDP (the
+        precision plugin's autocast gives the mixed precision), so the float32 parts of the
+        module's loss stay float32."""
+        from lightning.fabric.strategies.fsdp import _setup_activation_checkpointing
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        model.to(self.root_device)  # what no part holds: frozen parts, buffers
+        kwargs = {k: v for k, v in self.kwargs.items() if k != "ignored_modules"}
+        if not self._on_cpu:  # every rank starts from rank 0's weights (refused for CPU)
+            kwargs.setdefault("sync_module_states", True)
+        device = torch.device("cpu") if self._on_cpu else self.root_device
+        for parent, name, part in _trainable_parts(model):
+            wrapped = FullyShardedDataParallel(
+                module=part,
+                cpu_offload=self.cpu_offload,
+                sharding_strategy=self.sharding_strategy,
+                device_id=device,
+                **kwargs,
+            )
+            _setup_activation_checkpointing(wrapped, self._activation_checkpointing_kwargs)
+            setattr(parent, name, wrapped)
+        return model
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         with self._cpu_safe_full_state_dicts():

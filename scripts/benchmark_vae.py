@@ -82,7 +82,11 @@ def vae_section(args, device) -> list[str]:
             models["diffusers"].parameters(), lr=4.5e-6, betas=(0.5, 0.9)
         ),
     }
+    # bf16 rows only where bf16 has instructions (a GPU, AVX512-bf16 / AMX): elsewhere the CPU
+    # emulates it and the row would measure the emulation.
     dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
+    if len(dtypes) < len(args.dtypes):
+        print("VAE: no bf16 rows: this CPU has no bf16 instructions (avx512_bf16 / amx_bf16)")
     for name in dtypes:
         dtype = DTYPES[name]
         steps = {

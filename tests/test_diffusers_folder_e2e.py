@@ -14,6 +14,8 @@ import txt2img
 from omegaconf import OmegaConf
 from PIL import Image
 from run_helpers import load_main
+from swap_vae import main as swap_vae
+from test_vae_diffusers import assert_decodes_like, trained  # noqa: F401 (fixture)
 
 from ldm import checkpoint
 from ldm.text_encoder import bpe_vocab_path, bytes_to_unicode, clip_vocab_and_merges
@@ -188,3 +190,50 @@ def test_a_broken_folder_is_one_line_and_exit_2_before_a_run_folder(
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("config error: ")
     assert "unet/config.json: missing" in err.strip().splitlines()[-1]
     assert not logs.exists() or not any(logs.iterdir())
+
+
+# A VAE trained here, through convert.py and swap_vae.py into one original file, read back by
+# `StableDiffusionPipeline.from_single_file` (offline, this folder as its config): its VAE
+# decodes as ours, its other parts are untouched, its images are our VAE's decoding of its
+# latents. (Here to share the pipeline fixture.)
+def test_swapped_checkpoint_loads_in_diffusers_pipeline_and_decodes_as_ours(
+    tmp_path,
+    pipeline_folder,
+    trained,  # noqa: F811
+):
+    folder, config, pipe = pipeline_folder
+    vae_ckpt, ours = trained
+    single = tmp_path / "model.safetensors"
+    convert.main([str(folder), str(single), "--config", str(config)])
+    swapped = tmp_path / "model-myvae.safetensors"
+    args = ["--vae", str(vae_ckpt), "--ckpt", str(single), "--out", str(swapped)]
+    assert swap_vae(args) == 0
+
+    theirs = diffusers.StableDiffusionPipeline.from_single_file(
+        str(swapped), config=str(folder), local_files_only=True, safety_checker=None
+    )
+    assert_decodes_like(ours, theirs.vae.eval())  # the new VAE, by diffusers' key conversion
+    for part in ("unet", "text_encoder"):  # the rest of the checkpoint as it was
+        before, after = getattr(pipe, part).state_dict(), getattr(theirs, part).state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), part
+    original_vae = pipe.vae.state_dict()["decoder.conv_out.weight"]
+    assert not torch.equal(theirs.vae.state_dict()["decoder.conv_out.weight"], original_vae)
+
+    # The pipeline end to end: its image is our VAE's decoding of its final latents.
+    noise = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    def keep_latents(pipeline, step, timestep, tensors):
+        seen["latents"] = tensors["latents"]
+        return tensors
+
+    image = theirs(
+        "a blue square", height=32, width=32, num_inference_steps=2, latents=noise,
+        output_type="pt", callback_on_step_end=keep_latents,
+    ).images  # fmt: skip
+    latents = seen["latents"]
+    with torch.no_grad():
+        decoded = ours.decode(latents / theirs.vae.config.scaling_factor)
+    expected = (decoded / 2 + 0.5).clamp(0, 1)
+    torch.testing.assert_close(image, expected, atol=1e-4, rtol=1e-4)
+    assert expected.std() > 0.05  # an image, not a flat field

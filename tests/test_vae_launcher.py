@@ -8,9 +8,18 @@ from run_helpers import run_main
 from safetensors.torch import save_file
 
 from ldm.autoencoder import AutoencoderKL
+from ldm.autoencoder_training import autoencoder_kl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs" / "autoencoder").glob("*.yaml"))
+DDCONFIG = dict(
+    double_z=True, z_channels=4, resolution=32, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
+    num_res_blocks=1, attn_resolutions=[], dropout=0.0,
+)  # fmt: skip
+LOSS = {
+    "target": "ldm.vae_loss.LPIPSWithDiscriminator",
+    "params": {"disc_start": 0, "perceptual_weight": 0.0, "disc_ndf": 8, "disc_num_layers": 2},
+}
 TINY = {"ch": 32, "ch_mult": "[1,2]", "num_res_blocks": 1, "resolution": 32}
 
 
@@ -54,16 +63,16 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
 @pytest.mark.parametrize(
     "strategy, key, says",
     [
-        ("deepspeed", "lightning.strategy:", "use strategy: ddp"),
-        ("fsdp", "lightning.strategy:", "use strategy: ddp"),
+        ("deepspeed", "lightning.strategy:", "use strategy: ddp or fsdp"),
         ("ddp", "lightning.strategy.params.find_unused_parameters:", "must be true"),
     ],
 )
 def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
     tmp_path, shapes_dir, strategy, key, says
 ):
-    """Two optimizers by manual optimization: not under DeepSpeed (one optimizer) or FSDP, and
-    under DDP only with find_unused_parameters (configs/lightning/ddp.yaml has it false)."""
+    """Two optimizers by manual optimization: not under DeepSpeed (one optimizer), and under DDP
+    only with find_unused_parameters (configs/lightning/ddp.yaml has it false). FSDP runs
+    (tests/test_vae_resume.py)."""
     logs = tmp_path / "logs"
     args = ["--base", str(ROOT / "configs" / "autoencoder" / "tiny.yaml")]
     if strategy == "ddp":
@@ -79,3 +88,17 @@ def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
     assert key in line and says in line and "Traceback" not in result.stderr
     assert not logs.exists() or not any(logs.iterdir())
+
+
+def test_fsdp_resume_is_refused_in_one_line():
+    """FSDP trains the VAE (tests/test_vae_resume.py), but its checkpoints' optimizer states do
+    not match the weights: `--resume` under FSDP stops with a config error naming the way out."""
+    from lun.config import ConfigError
+    from lun.run import check_strategy_fits
+    from lun.strategies import build_strategy
+
+    model = autoencoder_kl(ddconfig=DDCONFIG, lossconfig=LOSS, embed_dim=4)
+    strategy = build_strategy({"target": "lun.strategies.FSDPStrategy"})
+    check_strategy_fits(model, strategy)  # a new run: accepted
+    with pytest.raises(ConfigError, match=r"^--resume: .*model.params.ckpt_path="):
+        check_strategy_fits(model, strategy, resuming=True)
