@@ -41,11 +41,15 @@ def run_main_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     run sets the global seed and threads, and a real launch is what they check).
     """
     out, err = io.StringIO(), io.StringIO()
-    old_cwd = os.getcwd()
+    old_cwd, old_environ = os.getcwd(), dict(os.environ)
     os.chdir(cwd)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             status = load_main().main([str(a) for a in args])
     finally:
         os.chdir(old_cwd)
+        # Lightning sets MASTER_ADDR/MASTER_PORT (and more) here: later subprocesses would
+        # inherit one fixed port and could find it still taken.
+        os.environ.clear()
+        os.environ.update(old_environ)
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
