@@ -1,10 +1,17 @@
 """The evaluation callback: FID / KID / CLIP during training, the best checkpoint by eval/fid,
 EMA and raw weights, and its config errors before the run folder exists."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
-from callback_testing import IMAGE_SIZE
+from callback_testing import IMAGE_SIZE, TinyDiffusion
 from lightning.pytorch import Callback
 from PIL import Image
 from run_helpers import load_main
@@ -176,3 +183,86 @@ def test_launcher_run_logs_eval_metrics_with_clip_and_keeps_the_best(
     assert all(0 <= e.value <= 100 for e in events.Scalars("eval/clip_score"))
     assert "eval/samples" in events.Tags()["images"]
     assert (run / "checkpoints" / "best-fid.ckpt").is_file()
+
+
+DDP_SCRIPT = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from callback_testing import RandomImages, TinyDiffusion
+from lun.callbacks.evaluation import Evaluation
+
+settings, out = json.loads(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+module = TinyDiffusion(learning_rate=0.0)  # the seed-0 weights on both ranks, after training too
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    default_root_dir=out, callbacks=[Evaluation(**settings)])
+trainer.fit(module, DataLoader(RandomImages(8), batch_size=2))
+import torch.distributed
+torch.distributed.destroy_process_group()  # as main.py does: gloo can abort at exit otherwise
+metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
+metrics.pop("eval/seconds")  # each rank's own wall time
+with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
+    json.dump(metrics, f)
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow  # two torchrun processes
+def test_two_processes_score_the_single_process_images(tmp_path, eval_files, make_loader, fit):
+    """7 images in batches of 2 on 2 ranks (rank 0 draws batches 0 and 2, rank 1 batches 1 and
+    3, the last one image): the same images, each counted once, so the figures of one process;
+    every rank gets them."""
+    from eval_helpers import make_clip_folder
+
+    settings = dict(
+        **eval_files,
+        clip=str(make_clip_folder(tmp_path / "clip")),
+        every_n_steps=100,  # only the evaluation at the end
+        num_eval_images=7,
+        batch_size=2,
+        steps=3,
+        kid_subset_size=4,
+        kid_subsets=5,
+        grid_images=0,
+        save_images=True,
+    )
+    ddp = tmp_path / "ddp"
+    ddp.mkdir()
+    script = tmp_path / "ddp_evaluation.py"
+    script.write_text(DDP_SCRIPT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-port", str(free_port()), str(script)]
+    here = str(Path(__file__).parent)
+    cache = dict(cache_dir=str(tmp_path / "cache-ddp"))
+    result = subprocess.run(
+        command + [here, json.dumps({**settings, **cache}), str(ddp)],
+        env={**os.environ, "PYTHONPATH": str(Path(here).parents[2]), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((ddp / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # rank 0 computed, everyone got the figures
+
+    torch.manual_seed(0)
+    single = Evaluation(**settings, cache_dir=str(tmp_path / "cache-one"))
+    trainer = fit(TinyDiffusion(learning_rate=0.0), [single], make_loader(), max_steps=1)
+    one = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("eval/")}
+    assert one["eval/num_images"] == ranks[0]["eval/num_images"] == 7
+    for name in ("eval/fid", "eval/kid", "eval/kid_std", "eval/clip_score"):
+        assert ranks[0][name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
+    # The images themselves: the ones each rank saved are the one process's, byte for byte.
+    saved = sorted((ddp / "images" / "eval" / "gs-000001").glob("*.png"))
+    assert [p.stem for p in saved] == [f"{i:05d}" for i in range(7)]
+    for path in saved:
+        assert path.read_bytes() == (tmp_path / "images/eval/gs-000001" / path.name).read_bytes()
