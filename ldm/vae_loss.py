@@ -144,7 +144,12 @@ class LPIPSWithDiscriminator(nn.Module):
             else:  # skipped before disc_start: 0 * (a finite or not) g_loss
                 g_loss = d_weight = torch.zeros((), device=inputs.device)
             loss = nll_loss + self.kl_weight * kl_loss + d_weight * factor * g_loss
-        log = {
+        log = self._generator_log(loss, rec, p_loss, nll_loss, kl_loss, g_loss, d_weight, factor)
+        return loss, log
+
+    def _generator_log(self, loss, rec, p_loss, nll_loss, kl_loss, g_loss, d_weight, factor):
+        """The generator step's figures, named as the original LPIPSWithDiscriminator logs them."""
+        return {
             "total_loss": loss.detach(),
             "rec_loss": rec.detach().mean(),
             "p_loss": p_loss.detach().mean(),
@@ -155,7 +160,6 @@ class LPIPSWithDiscriminator(nn.Module):
             "disc_factor": factor,
             "logvar": self.logvar.detach(),
         }
-        return loss, log
 
     def adaptive_weight(self, nll_loss, g_loss, last_layer):
         """lambda = ||grad nll|| / (||grad g|| + 1e-4), clamped to [0, 1e4], times disc_weight
@@ -211,17 +215,7 @@ class LPIPSWithDiscriminator(nn.Module):
                 g_loss = d_weight = torch.zeros((), device=inputs.device)
             loss = nll_loss + self.kl_weight * kl_loss + d_weight * factor * g_loss
             surrogate = (recs.float() * rec_grad).sum() + self.kl_weight * kl_loss
-        log = {
-            "total_loss": loss.detach(),
-            "rec_loss": rec.detach().mean(),
-            "p_loss": p_loss.detach().mean(),
-            "nll_loss": nll_loss.detach(),
-            "kl_loss": kl_loss.detach(),
-            "g_loss": g_loss.detach(),
-            "d_weight": d_weight.detach(),
-            "disc_factor": factor,
-            "logvar": self.logvar.detach(),
-        }
+        log = self._generator_log(loss, rec, p_loss, nll_loss, kl_loss, g_loss, d_weight, factor)
         return surrogate, log
 
     def discriminator_loss(

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from lora_helpers import build
 from PIL import Image
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, run_main_here
 
 from lun.data.dreambooth import DreamBooth
 
@@ -67,7 +67,7 @@ def test_prior_preservation_loss_is_eq2_as_diffusers_computes_it(
 @pytest.mark.slow
 def test_a_missing_instance_folder_is_one_line_exit_2_before_the_run_folder(tmp_path):
     logs = tmp_path / "logs"
-    result = run_main(
+    result = run_main_here(
         [
             "--base",
             str(CONFIG),

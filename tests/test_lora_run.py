@@ -4,7 +4,7 @@ checkpoint is the original layout plus `lora.*`, scripts/lora.py exports and mer
 import lora as lora_script
 import pytest
 import torch
-from run_helpers import run_main
+from run_helpers import run_main, run_main_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint
@@ -68,7 +68,7 @@ def test_lora_run_export_and_merge(tmp_path, tiny_config, shapes_dir):
 def test_bad_lora_setting_is_a_config_error_before_the_run_folder(
     tmp_path, tiny_config, shapes_dir
 ):
-    result = run_main(
+    result = run_main_here(
         [
             "--base",
             str(tiny_config),

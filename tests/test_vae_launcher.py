@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import run_main
+from run_helpers import run_main, run_main_here
 from safetensors.torch import save_file
 
 from ldm.autoencoder import AutoencoderKL
@@ -83,7 +83,7 @@ def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
         f"data.params.train.params.data_root={shapes_dir}",
         "lightning.trainer.accelerator=cpu",
     ]
-    result = run_main([*args, "lightning.trainer.devices=2", "-l", str(logs), "-t"], tmp_path)
+    result = run_main_here([*args, "lightning.trainer.devices=2", "-l", logs, "-t"], tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
     assert key in line and says in line and "Traceback" not in result.stderr
