@@ -159,7 +159,9 @@ def main(argv=None) -> None:
         "--instances", type=int, default=5, help="instance images (DreamBooth: 3-5)"
     )
     parser.add_argument("--class-images", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=200, help="LoRA training steps")
+    parser.add_argument(
+        "--steps", type=int, default=300, help="LoRA training steps (300: see README)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument(
         "--n", type=int, default=16, help="images per concept prompt (8 per base prompt)"
