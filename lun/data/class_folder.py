@@ -27,10 +27,9 @@ from lun.data.images import (
     load_image_tensor,
 )
 from lun.data.index import walk
-from lun.data.report import BadInputLog
+from lun.data.report import MAX_FRESH_FAILURES, BadInputLog
 
 logger = logging.getLogger("lun.data")
-MAX_FRESH_FAILURES = 64  # this many unreadable images in a row: the folder itself is lost
 
 
 def load_class_names(idx_to_prompt, folders: list[str]) -> list[str]:

@@ -35,10 +35,9 @@ from lun.data.images import (
     load_image_tensor,
 )
 from lun.data.index import is_image, walk
-from lun.data.report import BadInputLog
+from lun.data.report import MAX_FRESH_FAILURES, BadInputLog
 
 logger = logging.getLogger("lun.data")
-MAX_FRESH_FAILURES = 64  # this many unreadable images in a row: the folder itself is lost
 CLASS_IMAGE_NAME = "class-{:05d}.png"  # image i is drawn from seed i
 
 

@@ -56,7 +56,7 @@ from lun.data.metadata import (
     metadata_records,
     select,
 )
-from lun.data.report import BadInputLog, decode_text
+from lun.data.report import MAX_FRESH_FAILURES, BadInputLog, decode_text
 from lun.storage import FileCache, is_url, join, list_files
 
 logger = logging.getLogger("lun.data")
@@ -71,9 +71,6 @@ OTHER_NAMES = {
     "resolution": "size",
     "workers": "num_workers (a loader setting: data.params or the split's section)",
 }
-# A sample whose image fails is replaced by the next readable one; this many fresh failures in a
-# row mean the folder itself is unreadable (a lost mount), and that must stop the run.
-MAX_FRESH_FAILURES = 64
 
 
 def _refuse_unknown(unknown: dict) -> None:

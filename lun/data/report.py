@@ -15,6 +15,10 @@ import torch
 
 logger = logging.getLogger("lun.data")
 
+# A sample whose image fails is replaced by the next readable one; this many fresh failures in a
+# row mean the folder itself is unreadable (a lost mount), and that must stop the run (the
+# folder datasets' rule; a WebDataset stream, where failures cluster by shard, has its own).
+MAX_FRESH_FAILURES = 64
 # The first few files of each reason are kept for the dataset report (lun.data.dataset_report).
 EXAMPLES_PER_REASON = 5
 # Past this many files of one kind, details go to DEBUG so that a folder of 100k broken files
