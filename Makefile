@@ -5,22 +5,28 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # torch is installed first and on its own: an unpinned torch from PyPI is a multi-GB CUDA build.
-# With no NVIDIA/AMD GPU (or TORCH=cpu) we take the pinned CPU build; otherwise set TORCH to the
-# pip spec you want, e.g. `make setup TORCH="torch==2.13.0"`.
+# TORCH=cpu (the default without an NVIDIA/AMD GPU) takes the CPU build of TORCH_VERSION; TORCH=cuda
+# (the default with one) takes PyPI's build of the same version, whose wheel pins its own CUDA
+# libraries exactly; any other value is a pip spec of your own, e.g. TORCH="torch==2.12.1".
+TORCH_VERSION := 2.13.0
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 || command -v rocm-smi >/dev/null 2>&1 && echo yes)
-TORCH ?= $(if $(HAS_GPU),torch,cpu)
-TORCH_SPEC := $(if $(filter cpu,$(TORCH)),torch==2.13.0,$(TORCH))
+TORCH ?= $(if $(HAS_GPU),cuda,cpu)
+TORCH_SPEC := $(if $(filter cpu cuda,$(TORCH)),torch==$(TORCH_VERSION),$(TORCH))
+# Every other package at the exact version the suite passed with (`make lock` rewrites it);
+# `make setup LOCK=` installs the newest releases the requirements' ranges allow instead.
+LOCK ?= requirements-lock.txt
+CONSTRAIN := $(if $(LOCK),-c $(LOCK))
 
-.PHONY: setup test test-fast lint format demo clean
+.PHONY: setup test test-fast lint format demo clean lock
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt requirements-lpips.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-vocab.txt requirements-lpips.txt $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -r requirements.txt -r requirements-dev.txt
-	$(PIP) install -q --no-deps -r requirements-vocab.txt -r requirements-lpips.txt
+	$(PIP) install -q $(CONSTRAIN) -r requirements.txt -r requirements-dev.txt
+	$(PIP) install -q --no-deps $(CONSTRAIN) -r requirements-vocab.txt -r requirements-lpips.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
@@ -42,6 +48,11 @@ format: setup
 
 demo: setup
 	$(PY) scripts/demo.py
+
+# Re-resolve every package to its newest release in a fresh venv, run the whole suite there and
+# rewrite requirements-lock.txt only if it passes; a red run names the packages that moved.
+lock:
+	$(PYTHON) scripts/lock.py --torch "$(TORCH_SPEC)"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
