@@ -76,7 +76,10 @@ def test_the_anchor_rule_on_known_github_anchors():
     )
     assert github_slug("Image quality: FID, KID, CLIP score") == "image-quality-fid-kid-clip-score"
     assert github_slug("LoRA, LoCon and DoRA") == "lora-locon-and-dora"
-    assert github_slug("`model` (`ldm.diffusion.LatentDiffusion`)") == "model-ldmdiffusionlatentdiffusion"
+    assert (
+        github_slug("`model` (`ldm.diffusion.LatentDiffusion`)")
+        == "model-ldmdiffusionlatentdiffusion"
+    )
     assert github_slug("Plan A - this config alone") == "plan-a---this-config-alone"
 
 
