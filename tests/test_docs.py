@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages other work adds; until they exist a link to them is expected, not broken.
 PAGES_TO_COME = {"performance.md", "gpu.md", "tiny-configs.md", "errors.md", "lora-rules.md"}
+FILES_TO_COME = PAGES_TO_COME | {"requirements-lock.txt"}  # the lock `make setup` installs from
 README_MAX_LINES = 350
 
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -132,3 +133,75 @@ def test_every_docs_page_is_reachable_from_the_readme():
                 linked.add((page.parent / path).resolve())
     orphans = [p.name for p in PAGES[1:] if p.resolve() not in linked]
     assert not orphans, f"docs pages linked from nowhere: {orphans}"
+
+
+# --- what the pages name: files of the repository, and the flags of the commands they show ---
+
+REPO_PATH = re.compile(
+    r"(?<![\w/.<-])((?:configs|scripts|ldm|lun|tests|docker|docs)/[\w./-]*\w|requirements[\w-]*\.txt)"
+)
+COMMAND = re.compile(r"(?<![\w/])(main\.py|scripts/\w+\.py)\b")
+FLAG = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
+IMPORT = re.compile(r"^\s*from ((?:lun|ldm)(?:\.\w+)*) import", re.M)
+
+
+def code_text(page: Path) -> list[str]:
+    """Lines of fenced code and the contents of inline code spans: where commands and paths are."""
+    text = page.read_text(encoding="utf-8")
+    spans, fenced = [], False
+    for line in text.splitlines():
+        if FENCE.match(line):
+            fenced = not fenced
+        elif fenced:
+            spans.append(line)
+        else:
+            spans += re.findall(r"`([^`]+)`", line)
+    return spans
+
+
+def flag_literals(script: Path) -> set[str]:
+    """The `--flag` string literals of a script and of the lun/ldm modules it imports from:
+    a flag a page shows must be spelled there (argparse takes no flag that is not)."""
+    sources, flags = [script], set()
+    text = script.read_text(encoding="utf-8")
+    for module in IMPORT.findall(text):
+        path = ROOT / (module.replace(".", "/") + ".py")
+        sources.append(path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py")
+    for source in sources:
+        if source.exists():
+            flags |= set(re.findall(r"""["'](--[a-zA-Z][\w-]*)["']""", source.read_text("utf-8")))
+    return flags
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_a_page_names_exists(page):
+    missing = set()
+    for span in code_text(page):
+        for path in REPO_PATH.findall(span):
+            if "*" in path or "<" in path:
+                continue
+            if not (ROOT / path).exists() and not (ROOT / path.rstrip("/")).exists():
+                missing.add(path)
+    missing = {p for p in missing if Path(p).name not in FILES_TO_COME}
+    assert not missing, f"{page.relative_to(ROOT)} names no such file: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_flag_of_a_documented_command_is_spelled_in_its_script(page):
+    # A command runs on over "\" line ends; its flags are checked against the script it calls.
+    text = "\n".join(code_text(page)).replace("\\\n", " ")
+    unknown = []
+    for line in text.splitlines():
+        commands = list(COMMAND.finditer(line))
+        for i, command in enumerate(commands):
+            end = commands[i + 1].start() if i + 1 < len(commands) else len(line)
+            script = ROOT / command.group(1)
+            if not script.exists():
+                continue  # test_every_repository_path_a_page_names_exists says so
+            known = flag_literals(script)
+            words = line[command.end() : end].split("#")[0]
+            for flag in FLAG.findall(words):
+                # argparse.BooleanOptionalAction makes --no-X of --X
+                if flag not in known and flag.replace("--no-", "--", 1) not in known:
+                    unknown.append(f"{command.group(1)} {flag}")
+    assert not unknown, f"{page.relative_to(ROOT)}: flags no parser has: {sorted(set(unknown))}"
