@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages other work adds; until they exist a link to them is expected, not broken.
 PAGES_TO_COME = {"performance.md", "gpu.md", "tiny-configs.md", "errors.md", "lora-rules.md"}
-FILES_TO_COME = PAGES_TO_COME | {"requirements-lock.txt"}  # the lock `make setup` installs from
+FILES_TO_COME = PAGES_TO_COME
 README_MAX_LINES = 350
 
 LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
