@@ -12,9 +12,11 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, sampling, vlb
 from ldm import lora as lora_module
+from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
@@ -35,6 +37,49 @@ class DiffusionWrapper(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
         return self.diffusion_model(x, t, cond)
+
+
+COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_arguments(value) -> dict:
+    """`compile_backbone` (true or a dict of `torch.compile` arguments) -> those arguments, or
+    one error line naming the option where torch.compile cannot run or an argument is wrong."""
+    import inspect
+
+    import torch._dynamo
+
+    options = {} if value is True else value
+    if not isinstance(options, Mapping):
+        raise ValueError(f"compile_backbone: expected true, false or a mapping, got {value!r}")
+    if not torch._dynamo.is_dynamo_supported():
+        raise ValueError(
+            "compile_backbone: torch.compile cannot run with this Python/PyTorch; set it to false"
+        )
+    unknown = set(options) - set(inspect.signature(torch.compile).parameters) - {"model"}
+    if unknown:
+        raise ValueError(f"compile_backbone.{sorted(unknown)[0]}: not a torch.compile argument")
+    if options.get("mode") not in COMPILE_MODES:
+        raise ValueError(
+            f"compile_backbone.mode: {options['mode']!r} is not one of {COMPILE_MODES[1:]}"
+        )
+    backend = options.get("backend", "inductor")
+    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
+        raise ValueError(f"compile_backbone.backend: {backend!r} is not a torch.compile backend")
+    if backend == "inductor" and not torch.cuda.is_available() and not _cpp_compiler():
+        raise ValueError(
+            "compile_backbone: inductor on a CPU needs a C++ compiler (g++/clang++) and none is "
+            "on PATH; install one, set backend: eager, or set compile_backbone: false"
+        )
+    return dict(options)
+
+
+def _cpp_compiler() -> str | None:
+    import os
+    import shutil
+
+    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
+    return next((path for name in names if name and (path := shutil.which(name))), None)
 
 
 class LatentDiffusion(pl.LightningModule):
@@ -77,7 +122,14 @@ class LatentDiffusion(pl.LightningModule):
         channels_last: keep the backbone's weights and inputs in channels-last memory format
             (faster convolutions on tensor-core GPUs).
         compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
-            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
+            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`;
+            `{mode: reduce-overhead}` adds CUDA graphs: fewer kernel launches). Checked before
+            the run: a machine where torch.compile cannot run, or an unknown mode or backend,
+            is one error line.
+        attention_kernels: restrict the backbone's fused attention to these
+            `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
+            `efficient`, `math` (a name or a list); null lets PyTorch pick. flash and cudnn need
+            CUDA. docs/gpu.md says which is fastest where.
         schedule_in_checkpoint: keep the DDPM schedule buffers (`betas`, `alphas_cumprod`, ...)
             in the state dict, as CompVis files do; sgm files (SDXL) have none (false).
         lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
@@ -103,11 +155,14 @@ class LatentDiffusion(pl.LightningModule):
         first_stage_fp32: bool = True,
         channels_last: bool = False,
         compile_backbone: bool | Mapping | None = None,
+        attention_kernels: str | list | None = None,
         lora: Mapping | None = None,
         schedule_in_checkpoint: bool = True,
     ):
         super().__init__()
         self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
+        compile_options = compile_arguments(compile_backbone) if compile_backbone else None
+        self.sdpa_kernels = None if attention_kernels is None else sdpa_kernels(attention_kernels)
         if parameterization not in ("eps", "v"):
             raise ValueError(f"parameterization must be 'eps' or 'v', got '{parameterization}'")
         self.parameterization = parameterization
@@ -147,7 +202,7 @@ class LatentDiffusion(pl.LightningModule):
         if channels_last:
             self.backbone.to(memory_format=torch.channels_last)
         if compile_backbone:
-            self.backbone.compile(**({} if compile_backbone is True else compile_backbone))
+            self.backbone.compile(**compile_options)
         self._loss_window: tuple[list, list] = ([], [])  # per-sample losses, t of this step
         self.train()
 
@@ -253,7 +308,10 @@ class LatentDiffusion(pl.LightningModule):
     ) -> torch.Tensor:
         if self.channels_last:
             x_t = x_t.contiguous(memory_format=torch.channels_last)
-        return self.model(x_t, t, cond)
+        if self.sdpa_kernels is None:
+            return self.model(x_t, t, cond)
+        with sdpa_kernel(self.sdpa_kernels):
+            return self.model(x_t, t, cond)
 
     def predict(
         self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]
