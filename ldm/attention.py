@@ -7,15 +7,50 @@ on `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient 
 device has them); xformers is an optional backend.
 """
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_BACKENDS = ("sdpa", "xformers")
-# PyTorch's fused attention kernels by name (`torch.nn.attention.SDPBackend`); flash and cuDNN
-# exist only on CUDA devices, memory-efficient and math everywhere.
+# PyTorch's fused attention kernels by name (`torch.nn.attention.SDPBackend`). Which run where
+# depends on the device and the build (a CPU build has math and flash, not efficient or cuDNN).
 SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
-CUDA_ONLY_SDPA_KERNELS = ("flash", "cudnn")
+
+
+def sdpa_kernels(names) -> list:
+    """`attention_kernels` (a name or a list of names from SDPA_KERNELS) -> the SDPBackend list
+    for `torch.nn.attention.sdpa_kernel`. On a machine without CUDA each kernel is tried on a
+    tiny CPU input here, so one it cannot run fails at model construction, not at step one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"attention_kernels: empty; give one or more of {SDPA_KERNELS} or null")
+    cuda = torch.cuda.is_available()
+    for name in names:
+        if name not in backends:
+            raise ValueError(f"attention_kernels: {name!r} is not one of {SDPA_KERNELS}")
+        if cuda:
+            continue  # not tried here: that would start CUDA before Lightning places the model
+        probe = torch.zeros(1, 1, 2, 8)
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backends[name]]):
+                warnings.simplefilter("ignore")  # PyTorch's own reasons, one per kernel
+                F.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError:
+            raise ValueError(
+                f"attention_kernels: {name!r} cannot run on this machine (no CUDA device); "
+                "use math or flash, or null (PyTorch picks)"
+            ) from None
+    return [backends[name] for name in names]
 
 
 def _xformers_ops():
@@ -36,33 +71,6 @@ def check_attention_backend(backend: str) -> None:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "xformers":
         _xformers_ops()
-
-
-def sdpa_kernels(names, cuda_available: bool | None = None) -> list:
-    """`attention_kernels` (a name or a list of names from SDPA_KERNELS) -> the SDPBackend list
-    for `torch.nn.attention.sdpa_kernel`; a name this machine cannot run fails here, at model
-    construction, not at the first step."""
-    from torch.nn.attention import SDPBackend
-
-    backends = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-        "math": SDPBackend.MATH,
-    }
-    names = [names] if isinstance(names, str) else list(names)
-    if not names:
-        raise ValueError(f"attention_kernels: empty; give one or more of {SDPA_KERNELS} or null")
-    cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
-    for name in names:
-        if name not in backends:
-            raise ValueError(f"attention_kernels: {name!r} is not one of {SDPA_KERNELS}")
-        if name in CUDA_ONLY_SDPA_KERNELS and not cuda:
-            raise ValueError(
-                f"attention_kernels: {name!r} runs on CUDA only and this machine has no CUDA "
-                "device; use efficient or math, or null (PyTorch picks)"
-            )
-    return [backends[name] for name in names]
 
 
 def attention(

@@ -128,8 +128,8 @@ class LatentDiffusion(pl.LightningModule):
             is one error line.
         attention_kernels: restrict the backbone's fused attention to these
             `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
-            `efficient`, `math` (a name or a list); null lets PyTorch pick. flash and cudnn need
-            CUDA. docs/gpu.md says which is fastest where.
+            `efficient`, `math` (a name or a list); null lets PyTorch pick. cudnn and efficient
+            need CUDA (checked before the run). docs/gpu.md says which is fastest where.
         schedule_in_checkpoint: keep the DDPM schedule buffers (`betas`, `alphas_cumprod`, ...)
             in the state dict, as CompVis files do; sgm files (SDXL) have none (false).
         lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
