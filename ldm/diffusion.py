@@ -18,6 +18,7 @@ from ldm import checkpoint, sampling, vlb
 from ldm import lora as lora_module
 from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
+from ldm.compile_options import compile_arguments
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -37,49 +38,6 @@ class DiffusionWrapper(nn.Module):
 
     def forward(self, x: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]):
         return self.diffusion_model(x, t, cond)
-
-
-COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def compile_arguments(value) -> dict:
-    """`compile_backbone` (true or a dict of `torch.compile` arguments) -> those arguments, or
-    one error line naming the option where torch.compile cannot run or an argument is wrong."""
-    import inspect
-
-    import torch._dynamo
-
-    options = {} if value is True else value
-    if not isinstance(options, Mapping):
-        raise ValueError(f"compile_backbone: expected true, false or a mapping, got {value!r}")
-    if not torch._dynamo.is_dynamo_supported():
-        raise ValueError(
-            "compile_backbone: torch.compile cannot run with this Python/PyTorch; set it to false"
-        )
-    unknown = set(options) - set(inspect.signature(torch.compile).parameters) - {"model"}
-    if unknown:
-        raise ValueError(f"compile_backbone.{sorted(unknown)[0]}: not a torch.compile argument")
-    if options.get("mode") not in COMPILE_MODES:
-        raise ValueError(
-            f"compile_backbone.mode: {options['mode']!r} is not one of {COMPILE_MODES[1:]}"
-        )
-    backend = options.get("backend", "inductor")
-    if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
-        raise ValueError(f"compile_backbone.backend: {backend!r} is not a torch.compile backend")
-    if backend == "inductor" and not torch.cuda.is_available() and not _cpp_compiler():
-        raise ValueError(
-            "compile_backbone: inductor on a CPU needs a C++ compiler (g++/clang++) and none is "
-            "on PATH; install one, set backend: eager, or set compile_backbone: false"
-        )
-    return dict(options)
-
-
-def _cpp_compiler() -> str | None:
-    import os
-    import shutil
-
-    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
-    return next((path for name in names if name and (path := shutil.which(name))), None)
 
 
 class LatentDiffusion(pl.LightningModule):
