@@ -7,11 +7,50 @@ on `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient 
 device has them); xformers is an optional backend.
 """
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 ATTENTION_BACKENDS = ("sdpa", "xformers")
+# PyTorch's fused attention kernels by name (`torch.nn.attention.SDPBackend`). Which run where
+# depends on the device and the build (a CPU build has math and flash, not efficient or cuDNN).
+SDPA_KERNELS = ("flash", "cudnn", "efficient", "math")
+
+
+def sdpa_kernels(names) -> list:
+    """`attention_kernels` (a name or a list of names from SDPA_KERNELS) -> the SDPBackend list
+    for `torch.nn.attention.sdpa_kernel`. On a machine without CUDA each kernel is tried on a
+    tiny CPU input here, so one it cannot run fails at model construction, not at step one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    names = [names] if isinstance(names, str) else list(names)
+    if not names:
+        raise ValueError(f"attention_kernels: empty; give one or more of {SDPA_KERNELS} or null")
+    cuda = torch.cuda.is_available()
+    for name in names:
+        if name not in backends:
+            raise ValueError(f"attention_kernels: {name!r} is not one of {SDPA_KERNELS}")
+        if cuda:
+            continue  # not tried here: that would start CUDA before Lightning places the model
+        probe = torch.zeros(1, 1, 2, 8)
+        try:
+            with warnings.catch_warnings(), sdpa_kernel([backends[name]]):
+                warnings.simplefilter("ignore")  # PyTorch's own reasons, one per kernel
+                F.scaled_dot_product_attention(probe, probe, probe)
+        except RuntimeError:
+            raise ValueError(
+                f"attention_kernels: {name!r} cannot run on this machine (no CUDA device); "
+                "use math or flash, or null (PyTorch picks)"
+            ) from None
+    return [backends[name] for name in names]
 
 
 def _xformers_ops():

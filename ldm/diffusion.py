@@ -12,10 +12,13 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, sampling, vlb
 from ldm import lora as lora_module
+from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
+from ldm.compile_options import compile_arguments
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -77,7 +80,14 @@ class LatentDiffusion(pl.LightningModule):
         channels_last: keep the backbone's weights and inputs in channels-last memory format
             (faster convolutions on tensor-core GPUs).
         compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
-            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`).
+            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`;
+            `{mode: reduce-overhead}` adds CUDA graphs: fewer kernel launches). Checked before
+            the run: a machine where torch.compile cannot run, or an unknown mode or backend,
+            is one error line.
+        attention_kernels: restrict the backbone's fused attention to these
+            `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
+            `efficient`, `math` (a name or a list); null lets PyTorch pick. cudnn and efficient
+            need CUDA (checked before the run). docs/gpu.md says which is fastest where.
         schedule_in_checkpoint: keep the DDPM schedule buffers (`betas`, `alphas_cumprod`, ...)
             in the state dict, as CompVis files do; sgm files (SDXL) have none (false).
         lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
@@ -103,11 +113,14 @@ class LatentDiffusion(pl.LightningModule):
         first_stage_fp32: bool = True,
         channels_last: bool = False,
         compile_backbone: bool | Mapping | None = None,
+        attention_kernels: str | list | None = None,
         lora: Mapping | None = None,
         schedule_in_checkpoint: bool = True,
     ):
         super().__init__()
         self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
+        compile_options = compile_arguments(compile_backbone) if compile_backbone else None
+        self.sdpa_kernels = None if attention_kernels is None else sdpa_kernels(attention_kernels)
         if parameterization not in ("eps", "v"):
             raise ValueError(f"parameterization must be 'eps' or 'v', got '{parameterization}'")
         self.parameterization = parameterization
@@ -147,7 +160,7 @@ class LatentDiffusion(pl.LightningModule):
         if channels_last:
             self.backbone.to(memory_format=torch.channels_last)
         if compile_backbone:
-            self.backbone.compile(**({} if compile_backbone is True else compile_backbone))
+            self.backbone.compile(**compile_options)
         self._loss_window: tuple[list, list] = ([], [])  # per-sample losses, t of this step
         self.train()
 
@@ -253,7 +266,10 @@ class LatentDiffusion(pl.LightningModule):
     ) -> torch.Tensor:
         if self.channels_last:
             x_t = x_t.contiguous(memory_format=torch.channels_last)
-        return self.model(x_t, t, cond)
+        if self.sdpa_kernels is None:
+            return self.model(x_t, t, cond)
+        with sdpa_kernel(self.sdpa_kernels):
+            return self.model(x_t, t, cond)
 
     def predict(
         self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]

@@ -1,0 +1,115 @@
+"""scripts/benchmark_gpu.py (the GPU table of issue 30) and the demo's device choice.
+
+The benchmark only means something on a GPU; here its arithmetic (MFU against the card's data
+sheet peak), its budget and time limits, and a `--tiny` run of every row on the CPU are checked.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from run_helpers import ROOT
+
+from lun.config import merge_configs
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("benchmark_gpu")
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_script("demo")
+
+
+def test_card_peaks_are_the_data_sheets(bench):
+    # NVIDIA H100 data sheet, BF16 tensor core (dense = half the "with sparsity" figure):
+    # SXM 1,979 / 2, PCIe 1,513 / 2; A100: 312 dense. The names as torch reports them.
+    assert bench.card_peak("NVIDIA H100 80GB HBM3") == 1979e12 / 2
+    assert bench.card_peak("NVIDIA H100 PCIe") == pytest.approx(1513e12 / 2, rel=1e-3)
+    assert bench.card_peak("NVIDIA A100-SXM4-80GB") == 312e12
+    assert bench.card_peak("Some Future GPU") is None
+
+
+def test_mfu_is_model_flops_over_the_peak_and_absent_for_an_unknown_card(bench):
+    # Issue 30's figure: 2.47 TFLOP/img at 80.6 img/s on an H100 SXM is 20 % MFU.
+    peak = bench.card_peak("NVIDIA H100 80GB HBM3")
+    assert bench.mfu(2.47e12, 80.6, peak) == pytest.approx(2.47e12 * 80.6 / 989.5e12)
+    assert round(bench.mfu(2.47e12, 80.6, peak), 2) == 0.20
+    assert bench.mfu(2.47e12, 80.6, None) is None
+
+
+def test_a_row_that_does_not_fit_the_budget_is_skipped_and_recorded(bench, tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    started = time.monotonic()
+    bench.main(["--budget-s", "5", "--only", "model", "e2e", "--out", str(out)])
+    assert time.monotonic() - started < 30  # nothing was run
+    result = json.loads(out.read_text())
+    assert result["skipped"] == ["model", "e2e"] and result["rows"] == []
+    assert "model: skipped" in capsys.readouterr().out
+
+
+def test_a_command_past_its_time_limit_is_killed_with_what_it_started(bench):
+    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="did not finish in 2 s"):
+        bench.python([sys.executable, "-c", code], timeout=2, new_session=True)
+    assert time.monotonic() - started < 20
+
+
+@pytest.mark.slow  # every row at tiny width: ~8 Lightning runs and the demo (~3 min on 2 cores)
+def test_tiny_runs_every_row_on_the_cpu(tmp_path):
+    out = tmp_path / "tiny.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/benchmark_gpu.py", "--tiny", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
+    errors = {name: row["error"] for name, row in rows.items() if "error" in row}
+    assert not errors, errors
+    for name in (
+        "model: ours",
+        "model: diffusers",
+        "model: ours + channels_last",
+        "model: ours + torch.compile",
+        "e2e: main.py online, EMA",
+        "e2e: main.py from the latent cache, EMA",
+        "e2e: main.py online, no EMA",
+    ):
+        assert rows[name]["img_s"] > 0, name
+    assert rows["model: ours"]["tflop_per_img"] > 0
+    demo = rows["demo: scripts/demo.py"]
+    assert demo["colour_pct"] is not None and demo["shape_pct"] is not None
+    assert any(name.startswith("sampling") for name in rows)
+    assert "| row | img/s | vs diffusers |" in result.stdout
+
+
+def test_the_demo_config_pins_no_device(demo):
+    trainer = yaml.safe_load(demo.CONFIG.read_text())["lightning"]["trainer"]
+    assert "accelerator" not in trainer and "precision" not in trainer
+
+
+def test_the_demo_trains_on_a_gpu_in_bf16_when_there_is_one(demo, monkeypatch):
+    import torch
+
+    for available, accelerator, precision in ((True, "gpu", "bf16-mixed"), (False, "cpu", "32")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda a=available: a)
+        overrides = demo.device_overrides(demo.cuda_available())
+        trainer = merge_configs([demo.CONFIG], overrides).lightning.trainer
+        assert (trainer.accelerator, str(trainer.precision)) == (accelerator, precision)
