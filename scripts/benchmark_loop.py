@@ -102,9 +102,8 @@ def overrides(data_root: Path, steps: int, width: int, batch_size: int, every: i
 def main_py_loop(config: Path, dotlist: list[str], logdir: Path) -> StepClock:
     """Run main.py in this process with a StepClock among its callbacks."""
     sys.path.insert(0, str(REPO))
-    import main as launcher
-
     import lun.trainer
+    import main as launcher
 
     clock, build = StepClock(), lun.trainer.build_callbacks
 
