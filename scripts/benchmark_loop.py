@@ -14,7 +14,8 @@ config through the same functions (`lun.trainer.build_model`, `build_data`,
 and `main.py` runs `-t` on the config with its defaults (progress bar, throughput, checkpoints,
 NaN guard, LR monitor, RNG state; the demo's EMA). The plain loop runs before and after main.py
 and its mean counts (a shared machine's load drifts). Printed: the median ms per optimizer step
-of each after the warm-up, and the overhead (main.py - plain). Host reads of tensor values
+of each after the warm-up, and the overhead (main.py - plain), in wall time and in CPU time of
+the process (all its threads: on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
 (`.item()`, `bool()`, `float()`, `.tolist()`: the host-device syncs on an accelerator) are
 counted per step of main.py, and the steps that had one are listed: only logging steps should.
 """
@@ -60,9 +61,11 @@ class StepClock:
 
             def on_train_batch_end(clock, trainer, pl_module, outputs, batch, batch_idx):
                 self.ends.append(time.perf_counter())
+                self.cpu_ends.append(time.process_time())
 
         self.callback = Clock()
         self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # CPU seconds of the process (all its threads)
         self.step = 0
         self.reads: dict[int, int] = {}
 
@@ -121,8 +124,9 @@ def main_py_loop(config: Path, dotlist: list[str], logdir: Path) -> StepClock:
     return clock
 
 
-def plain_loop(config: Path, dotlist: list[str], steps: int) -> list[float]:
-    """The same model, data and optimizer in a for loop; the time of every step's end."""
+def plain_loop(config: Path, dotlist: list[str], steps: int) -> tuple[list[float], list[float]]:
+    """The same model, data and optimizer in a for loop; the wall and CPU time of every step's
+    end."""
     from lightning.pytorch import seed_everything
     from omegaconf import OmegaConf
 
@@ -139,7 +143,7 @@ def plain_loop(config: Path, dotlist: list[str], steps: int) -> list[float]:
     scheduler = configured.get("lr_scheduler") if isinstance(configured, dict) else None
     scheduler = scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler
     model.train()
-    ends = []
+    ends, cpu_ends = [], []
     while len(ends) < steps:
         for batch in data.train_dataloader():
             loss = model.diffusion_loss(batch)[0]
@@ -149,9 +153,10 @@ def plain_loop(config: Path, dotlist: list[str], steps: int) -> list[float]:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
             if len(ends) == steps:
                 break
-    return ends
+    return ends, cpu_ends
 
 
 def median_ms(ends: list[float], warmup: int) -> float:
@@ -174,21 +179,24 @@ def loop_table(args, tmp: Path) -> list[str]:
     steps = args.warmup + args.steps
     dotlist = overrides(data, steps, args.width, args.batch_size, args.log_every)
     config = Path(args.config)
-    plain_before = median_ms(plain_loop(config, dotlist, steps), args.warmup)
+    before = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
     clock = main_py_loop(config, dotlist, tmp / "logs")
-    ours = median_ms(clock.ends, args.warmup)
-    plain_after = median_ms(plain_loop(config, dotlist, steps), args.warmup)
-    plain = (plain_before + plain_after) / 2
+    ours, ours_cpu = median_ms(clock.ends, args.warmup), median_ms(clock.cpu_ends, args.warmup)
+    after = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
+    (plain_before, cpu_before), (plain_after, cpu_after) = before, after
+    plain, plain_cpu = (plain_before + plain_after) / 2, (cpu_before + cpu_after) / 2
     synced = sorted(s for s in clock.reads if s > 1)
     rows = [
         f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, "
-        f"{args.threads} thread) | ms/step |",
-        "|---|---|",
-        f"| plain PyTorch loop (before / after) | {plain_before:.1f} / {plain_after:.1f} |",
-        f"| main.py, every default callback | {ours:.1f} |",
-        f"| overhead of main.py per optimizer step | {ours - plain:+.1f} ({ours / plain:.2f}x) |",
+        f"{args.threads} thread) | wall ms/step | CPU ms/step |",
+        "|---|---|---|",
+        f"| plain PyTorch loop (before / after) | {plain_before:.1f} / {plain_after:.1f} "
+        f"| {cpu_before:.1f} / {cpu_after:.1f} |",
+        f"| main.py, every default callback | {ours:.1f} | {ours_cpu:.1f} |",
+        f"| overhead of main.py per optimizer step | {ours - plain:+.1f} ({ours / plain:.2f}x) "
+        f"| {ours_cpu - plain_cpu:+.1f} ({ours_cpu / plain_cpu:.2f}x) |",
         f"| steps of main.py with host reads (after step 1; logging every {args.log_every}) "
-        f"| {synced} |",
+        f"| {synced} | |",
     ]
     print("\n".join(rows), flush=True)
     return rows
