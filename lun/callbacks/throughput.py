@@ -209,11 +209,12 @@ class Tally:
 
     images: float = 0.0
     flops: float = 0.0
-    wait_s: float = 0.0  # between the end of a step and the start of the next batch's
+    wait_s: float = 0.0  # from asking for the next batch to the start of its step
     busy_s: float = 0.0  # from on_train_batch_start to on_train_batch_end
+    other_s: float = 0.0  # the rest between steps: other callbacks' work after a step
 
     def values(self) -> list[float]:
-        return [self.images, self.flops, self.wait_s, self.busy_s]
+        return [self.images, self.flops, self.wait_s, self.busy_s, self.other_s]
 
 
 @dataclass
@@ -277,7 +278,7 @@ class Throughput(Callback):
         self._window, self._epoch = Tally(), Tally()
         self._last_end = self._start = self._key = None
         self._fetch_started: float | None = None
-        self._wait = 0.0
+        self._wait = self._other = 0.0
         self._last_step = None
 
     # --- hooks -------------------------------------------------------------------------------
@@ -307,10 +308,12 @@ class Throughput(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
+        self._wait = self._other = 0.0
         if self._last_end is None:
-            self._wait = 0.0
+            pass
         elif self._fetch_started is not None and self._fetch_started >= self._last_end:
             self._wait = now - self._fetch_started  # only the wait for this batch
+            self._other = self._fetch_started - self._last_end  # counts as time, not as wait
         else:  # the first batch of an epoch: fetched before the clock was wrapped again
             self._wait = now - self._last_end
         self._fetch_started = None
@@ -337,6 +340,7 @@ class Throughput(Callback):
                 tally.images += images
                 tally.flops += images * self.flops_per_image[self._key]
                 tally.wait_s += self._wait
+                tally.other_s += self._other
                 tally.busy_s += now - self._start
         self._last_end = time.perf_counter()
         step = trainer.global_step
@@ -379,7 +383,7 @@ class Throughput(Callback):
         )
         ranks = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local[None]
         ranks = ranks.double().cpu().tolist()
-        seconds = [wait + busy for _, _, wait, busy, _ in ranks]
+        seconds = [wait + busy + other for _, _, wait, busy, other, _ in ranks]
         if min(seconds) <= 0:
             return None  # a rank timed nothing (all its micro-batches were counted)
         flops_per_s = sum(r[1] / s for r, s in zip(ranks, seconds, strict=True))
@@ -390,7 +394,7 @@ class Throughput(Callback):
             flops_per_s=flops_per_s,
             mfu=self._mfu(pl_module, flops_per_s / len(ranks), trainer),
             data_wait=sum(r[2] / s for r, s in zip(ranks, seconds, strict=True)) / len(ranks),
-            peak_memory=int(max(r[4] for r in ranks)),
+            peak_memory=int(max(r[5] for r in ranks)),
             seconds=sum(seconds) / len(ranks),
             warmup=warmup,
         )
