@@ -284,7 +284,11 @@ class LatentDiffusion(pl.LightningModule):
         loss, per_sample, t = self.diffusion_loss(batch)
         per_sample, t = self._accumulation_window(per_sample, t, batch_idx)
         batch_size = per_sample.shape[0]
-        self.log("train/loss", per_sample.mean(), prog_bar=True, batch_size=batch_size)
+        # Not prog_bar: Lightning turns progress-bar values into numbers after every batch (a
+        # host-device sync per step); the progress bar shows its own smoothed loss.
+        self.log("train/loss", per_sample.mean(), batch_size=batch_size)
+        if self._trainer is not None and not self.trainer._logger_connector.should_update_logs:
+            return loss  # the per-t losses need host reads: only on the steps that log
         bucket = t * TIMESTEP_BUCKETS // self.num_timesteps
         for b in bucket.unique().tolist():
             lo, hi = (

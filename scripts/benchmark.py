@@ -15,7 +15,11 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   own process so one's allocations do not hide the other's.
 - sampling: seconds per 256x256 image with classifier-free guidance, 20-step DPM++ 2M and
   50-step DDIM, our sampler vs diffusers' StableDiffusionPipeline on the same converted weights.
-- data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 1024 px JPEG -> 512).
+- data: our loader vs a plain PIL pipeline (scripts/benchmark_data.py, 512 and 1024 px JPEG ->
+  512), its rate per worker and the workers an 80 img/s GPU step needs.
+- loop: ms per optimizer step of main.py (Lightning and every default callback) against a plain
+  PyTorch loop of the same model, data and optimizer (the demo UNet, 1 thread), the overhead,
+  and the steps that read a tensor value on the host (scripts/benchmark_loop.py).
 - dit (scripts/benchmark_dit.py): one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4
   latents = 256 px images, 1000 classes, learned sigma; on a CPU DiT-B/2 at batch 2, 16x16x4,
   see DIT_ROWS) against diffusers' DiTTransformer2DModel holding the same weights
@@ -383,12 +387,14 @@ def data_section(args) -> list[str]:
     from benchmark_data import loader_table
 
     torch.set_num_threads(1)
-    data_args = argparse.Namespace(sizes=[1024], target=512, n=64, workers=[0, 2], repeats=2)
+    data_args = argparse.Namespace(
+        sizes=[512, 1024], target=512, n=64, workers=[0, 2], repeats=2, gpu_rate=80.0
+    )
     with tempfile.TemporaryDirectory() as tmp:
         return loader_table(data_args, Path(tmp))
 
 
-SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl"]
+SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl", "loop"]
 
 
 def main() -> None:
@@ -457,6 +463,10 @@ def main() -> None:
         from benchmark_cache import main as cache_benchmark
 
         tables.append(cache_benchmark(["--steps", str(args.steps), "--warmup", str(args.warmup)]))
+    if "loop" in args.only:
+        from benchmark_loop import main as loop_benchmark
+
+        tables.append(loop_benchmark([]))
     print()
     for table in tables:
         print("\n".join(table) + "\n")

@@ -9,13 +9,16 @@ short side to the target (bicubic) -> center crop -> numpy -> float tensor in [-
 lun.data.local.Local: JPEG draft decoding (libjpeg scales by 1/2, 1/4, 1/8 in the DCT when the
 source's short side is at least twice the target) and one resize that also crops. Both run in the
 same DataLoader (batch 8) with 0 (in-process: one core), 1 and 2 workers; the best of `--repeats`
-runs counts, since a shared machine only ever makes a run slower.
+runs counts, since a shared machine only ever makes a run slower. The rate per worker (one
+core each) says how many workers a GPU needs: `--gpu-rate` images/s (default 80, the SD 1.x UNet
+step alone at 512 px on one H100, issue 30) over the per-worker rate, rounded up.
 
 Last, a few training steps of the demo model (configs/tiny/ldm.yaml on generated shapes) measure
 the share of step time spent waiting for data. Prints markdown tables (for the README).
 """
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -90,8 +93,9 @@ def images_per_second(dataset: Dataset, workers: int, batch_size: int = 8) -> fl
 
 def loader_table(args, tmp: Path) -> list[str]:
     rows = [
-        "| source | workers | plain PIL img/s | lun.data img/s | ratio |",
-        "|---|---|---|---|---|",
+        "| source | workers | plain PIL img/s | lun.data img/s | ratio | lun.data img/s per "
+        f"worker | workers for {args.gpu_rate:g} img/s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for side in args.sizes:
         root = make_sources(tmp / f"src{side}", args.n, side)
@@ -102,8 +106,11 @@ def loader_table(args, tmp: Path) -> list[str]:
             best_ours = max(images_per_second(ours, workers) for _ in range(args.repeats))
             label = f"{side}px JPEG -> {args.target}"
             ratio = best_ours / best_plain
+            per_worker = best_ours / max(workers, 1)  # 0 workers: the main process is one
+            needed = math.ceil(args.gpu_rate / per_worker)
             rows.append(
-                f"| {label} | {workers} | {best_plain:.1f} | {best_ours:.1f} | {ratio:.2f}x |"
+                f"| {label} | {workers} | {best_plain:.1f} | {best_ours:.1f} | {ratio:.2f}x "
+                f"| {per_worker:.1f} | {needed} |"
             )
             print(rows[-1], flush=True)
     return rows
@@ -182,6 +189,7 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=512, help="training size (px)")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--gpu-rate", type=float, default=80.0, help="img/s a GPU step takes")
     parser.add_argument("--demo-config", default=str(ROOT / "configs" / "tiny" / "ldm.yaml"))
     parser.add_argument("--demo-steps", type=int, default=20, help="0 skips the demo measurement")
     parser.add_argument("--demo-workers", type=int, nargs="+", default=[0, 2])

@@ -22,20 +22,31 @@ are that much rarer.
 """
 
 import math
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key, without_wrapper_levels
 from lun.atomic_io import materialized
 from lun.strategies import gathered_parameters, shards_weights
 
 WARMUPS = ("none", "litema", "power")
+PROBE_STEPS = 3  # optimizer steps timed after the first update, to choose `update_every="auto"`
 DECAY_KEY, NUM_UPDATES_KEY = EMA_SCALARS
+
+
+def choose_update_every(update_s: float, step_s: float, budget: float) -> int:
+    """The fewest steps between updates that keep one update's cost within `budget` of the
+    steps' time: N = ceil(update / (budget * step)). (Counting the whole copy+fold as lost is the
+    worst case: an asynchronous fold that finishes within N steps costs less.)"""
+    if step_s <= 0:
+        return 1
+    return max(1, math.ceil(update_s / (budget * step_s) - 1e-9))
 
 
 def find_ema(trainer) -> "EMA | None":
@@ -75,6 +86,9 @@ class EMA(Callback):
             the horizon in steps does not depend on N.
         update_every: fold the weights in every this many optimizer steps (not micro-batches:
             gradient accumulation does not change it). Larger values cost less CPU time.
+            "auto": time the first update (copy + fold) and the next few steps, then pick the
+            smallest N whose updates cost at most `budget` of the step time; printed in one line.
+        budget: the share of the step time `update_every="auto"` allows the EMA (0.03 = 3 %).
         warmup: how the decay starts, as a function of the update count n (steps):
             "litema": min(decay, (1 + n) / (10 + n)) - the original LitEma (`use_num_upates`);
             "power": min(decay, 1 - n^-warmup_power) - k-diffusion's `EMAWarmup` (inv_gamma 1);
@@ -92,7 +106,8 @@ class EMA(Callback):
     def __init__(
         self,
         decay: float = 0.9999,
-        update_every: int = 1,
+        update_every: int | str = 1,
+        budget: float = 0.03,
         warmup: str | None = "litema",
         warmup_power: float = 2 / 3,
         validate_with_ema: bool = True,
@@ -104,9 +119,17 @@ class EMA(Callback):
             raise ValueError(f"EMA warmup must be one of {', '.join(WARMUPS)}, got '{warmup}'")
         if not 0.0 <= decay <= 1.0:
             raise ValueError(f"EMA decay must be in [0, 1], got {decay}")
-        if update_every < 1:
-            raise ValueError(f"EMA update_every must be >= 1, got {update_every}")
-        self.decay, self.update_every = decay, update_every
+        self.auto = update_every == "auto"
+        if not self.auto and not (isinstance(update_every, int) and update_every >= 1):
+            raise ValueError(
+                f"EMA update_every must be an integer >= 1 or 'auto', got {update_every}"
+            )
+        if not 0 < budget < 1:
+            raise ValueError(f"EMA budget must be in (0, 1), got {budget}")
+        self.decay, self.update_every, self.budget = decay, 1 if self.auto else update_every, budget
+        self._decided = not self.auto
+        self._update_seconds = 0.0  # the timed first update (auto)
+        self._probe_start: tuple[int, float] | None = None  # (step, time) after it
         self.warmup, self.warmup_power = warmup, warmup_power
         self.validate_with_ema = validate_with_ema
         self.async_update = async_update
@@ -121,6 +144,10 @@ class EMA(Callback):
         self._copy_stream: torch.Stream | None = None
         self._copy_done: torch.Event | None = None
         self._swapped_module = None  # the module holding the EMA weights, while swapped in
+        self._params: dict[str, torch.Tensor] | None = None  # built once (unsharded strategies)
+        self._params_of = None  # the module they belong to
+        self._where = "host RAM"
+        self._lists: tuple[list, list, list] | None = None  # (params, staging, shadows), in order
 
     # --- the average -------------------------------------------------------------------------
     def decay_at(self, n: int) -> float:
@@ -158,11 +185,15 @@ class EMA(Callback):
         Under FSDP / ZeRO-3 they are gathered for the block (every rank must enter it) and, with
         `modify`, what the block wrote is sharded back on exit.
         """
-        params = self._trainable_params(pl_module)
         trainer = getattr(pl_module, "_trainer", None)
-        if trainer is None:
-            yield params
+        if trainer is None or not shards_weights(trainer.strategy):
+            # The parameters are the same tensors all run long: the dict is built once.
+            if self._params is None or self._params_of is not pl_module:
+                self._params, self._params_of = self._trainable_params(pl_module), pl_module
+                self._lists = None
+            yield self._params
             return
+        params = self._trainable_params(pl_module)
         with gathered_parameters(trainer.strategy, params, modify=modify):
             yield params
 
@@ -184,12 +215,18 @@ class EMA(Callback):
         self.num_updates += steps
         self._last_update_step = step
         self._finish()  # the staging buffers are free again
+        timed = not self._decided and self._probe_start is None
+        start = time.perf_counter()
         with self._full_weights(pl_module) as params:
             self._stage(params)
             if self._copy_done is not None and shards_weights(pl_module.trainer.strategy):
                 # Gathered weights are freed when the block ends: the copy must have read them.
                 self._copy_done.synchronize()
-        if self._executor is not None:
+        if timed:  # the first update of "auto", inline: its whole cost, copy and fold
+            self._fold_in(1.0 - keep, self._copy_done)
+            self._update_seconds = time.perf_counter() - start
+            self._probe_start = (step, time.perf_counter())
+        elif self._executor is not None:
             self._pending = self._executor.submit(self._fold_in, 1.0 - keep, self._copy_done)
         else:
             self._fold_in(1.0 - keep, self._copy_done)
@@ -197,9 +234,9 @@ class EMA(Callback):
     def _stage(self, params: dict[str, torch.Tensor]) -> None:
         """Copy the weights into the CPU staging buffers (asynchronously from an accelerator)."""
         device = next(iter(params.values())).device
+        sources, staging, _ = self._ordered(params)
         if device.type == "cpu":
-            for name, p in params.items():
-                self._staging[name].copy_(p.detach())
+            torch._foreach_copy_(staging, sources)  # one call for all tensors
         else:
             # Side stream: the copy overlaps the next forward/backward; it starts after the
             # optimizer step that produced these weights and must end before the next one
@@ -209,17 +246,27 @@ class EMA(Callback):
             copy_stream = self._copy_stream
             copy_stream.wait_stream(torch.accelerator.current_stream(device))
             with copy_stream:
-                for name, p in params.items():
-                    self._staging[name].copy_(p.detach(), non_blocking=True)
+                torch._foreach_copy_(staging, sources, non_blocking=True)
             self._copy_done = copy_stream.record_event()
 
     def _fold_in(self, weight: float, copy_done: torch.Event | None) -> None:
         """shadow <- shadow + weight * (staging - shadow), on the CPU."""
         if copy_done is not None:
             copy_done.synchronize()
-        for name, shadow in self.shadows.items():
-            staged = self._staging[name]
-            shadow.lerp_(staged if staged.dtype == shadow.dtype else staged.float(), weight)
+        _, staging, shadows = self._ordered(None)
+        if all(s.dtype == torch.float32 for s in staging):
+            torch._foreach_lerp_(shadows, staging, weight)  # one call for all tensors
+        else:
+            torch._foreach_lerp_(shadows, [s.float() for s in staging], weight)
+
+    def _ordered(self, params: dict[str, torch.Tensor] | None) -> tuple[list, list, list]:
+        """(detached weights, staging buffers, shadows) as parallel lists for the foreach
+        kernels; built once while the weights are the same tensors (gathered ones are new)."""
+        if params is not None and (self._lists is None or params is not self._params):
+            names = list(self.shadows)
+            lists = ([params[n].detach() for n in names], [self._staging[n] for n in names])
+            self._lists = (*lists, [self.shadows[n] for n in names])
+        return self._lists
 
     def _finish(self) -> None:
         """Wait for the update in flight (re-raising its error); the shadows are then current."""
@@ -246,6 +293,8 @@ class EMA(Callback):
             self._staging = {
                 n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in params.items()
             }
+            self._lists = None
+            self._where = "pinned host RAM" if pin else "host RAM"
 
     def _apply_loaded(self) -> None:
         loaded, self._loaded = self._loaded, None
@@ -303,14 +352,14 @@ class EMA(Callback):
         return {
             "last_update_step": self._last_update_step,
             "decay": self.decay,
-            "update_every": self.update_every,
+            "update_every": "auto" if self.auto else self.update_every,
             "warmup": self.warmup,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        changed = [
-            k for k in ("decay", "update_every", "warmup") if state_dict.get(k) != getattr(self, k)
-        ]
+        mine = {"decay": self.decay, "warmup": self.warmup}
+        mine["update_every"] = "auto" if self.auto else self.update_every
+        changed = [k for k, v in mine.items() if state_dict.get(k) != v]
         if changed:
             rank_zero_warn(
                 f"EMA: {', '.join(changed)} differ from the checkpoint's; using the new values"
@@ -361,8 +410,29 @@ class EMA(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # global_step counts optimizer steps, so accumulated micro-batches do not update.
-        if trainer.global_step - self._last_update_step >= self.update_every:
-            self._update(pl_module, trainer.global_step)
+        step = trainer.global_step
+        if not self._decided:
+            if self._probe_start is None:
+                if step > self._last_update_step:
+                    self._update(pl_module, step)  # timed
+            elif step - self._probe_start[0] >= PROBE_STEPS:
+                self._decide(step)
+            return
+        if step - self._last_update_step >= self.update_every:
+            self._update(pl_module, step)
+
+    def _decide(self, step: int) -> None:
+        """Choose `update_every` from the timed update and the steps that followed it."""
+        first, started = self._probe_start
+        step_s = (time.perf_counter() - started) / (step - first)
+        self.update_every = choose_update_every(self._update_seconds, step_s, self.budget)
+        self._decided = True
+        share = self._update_seconds / (self.update_every * step_s)
+        rank_zero_info(
+            f"EMA: shadows in {self._where}, updated every {self.update_every} optimizer "
+            f"step(s): copy+fold {1e3 * self._update_seconds:.1f} ms, step {1e3 * step_s:.1f} ms, "
+            f"{100 * share:.1f} % of the step (budget {100 * self.budget:.0f} %)"
+        )
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._copy_done is not None:

@@ -207,7 +207,8 @@ class SmoothedProgressBar(ProgressBar):
                 parts.append(f"{self.images_per_step / seconds:.1f} img/s")
         if throughput is not None:  # all ranks' images, MFU, data wait, of the latest window
             parts.append(f"{throughput.images_per_s:.1f} img/s")
-            parts.append(f"mfu {100 * throughput.mfu:.1f}%")
+            mfu = "?" if throughput.mfu is None else f"{100 * throughput.mfu:.1f}%"
+            parts.append(f"mfu {mfu}")
             parts.append(f"wait {100 * throughput.data_wait:.0f}%")
         if seconds:
             parts.append(f"eta {format_duration((total - step) * seconds)}")

@@ -7,7 +7,13 @@ estimated: the first micro-batch of each input shape (aspect buckets give severa
 pass with the formulas of `torch.utils.flop_counter` - the backbone, and also the VAE encode and
 text encoder when they run in the step. (With gradient checkpointing the recomputed forward is counted too, so the
 figure is then hardware FLOPs utilisation.) The peak comes from the vendor datasheets below, or,
-on a CPU or an unknown device, from a matmul probe timed once per process.
+on a CPU or an unknown device, from a matmul probe timed once per process. MFU is never shown
+above 100 %: a probe that reads low (other processes on the same cores) is taken again and the
+best of the probes counts; a window that still runs faster than the peak says "unknown".
+
+Data wait is the time from the moment the training loop asks for the next batch to the moment
+the step starts (loading, collating, host -> device copy): what other callbacks do after a step
+(the EMA, checkpoints) is not data wait.
 """
 
 import re
@@ -76,16 +82,19 @@ def _synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, budget_s: float = 0.1) -> float:
+def measured_matmul_flops(
+    device: torch.device, dtype: torch.dtype, budget_s: float = 0.1, again: bool = False
+) -> float:
     """FLOP/s of square matmuls on `device` in `dtype`, measured once per process.
 
     The side doubles (from 512) while one product takes under a tenth of the budget, so slow
     kinds (bf16 on a CPU without bf16 units) stay cheap; the best of the timed runs counts.
     Other processes busy on the same cores make it read low (and the MFU high).
     Random numbers come from a generator of its own: the run's streams stay as they were.
+    `again`: probe once more and keep the best of all probes (a peak is a maximum).
     """
     key = (str(device), dtype)
-    if key in _MEASURED_PEAKS:
+    if key in _MEASURED_PEAKS and not again:
         return _MEASURED_PEAKS[key]
     generator = torch.Generator(device).manual_seed(0)
     largest = 1024 if device.type == "cpu" else 8192
@@ -108,7 +117,7 @@ def measured_matmul_flops(device: torch.device, dtype: torch.dtype, budget_s: fl
     while spent < budget_s:
         seconds = product_seconds(a, b)
         best, spent = min(best, seconds), spent + seconds
-    _MEASURED_PEAKS[key] = 2 * n**3 / best
+    _MEASURED_PEAKS[key] = max(2 * n**3 / best, _MEASURED_PEAKS.get(key, 0.0))
     return _MEASURED_PEAKS[key]
 
 
@@ -182,6 +191,11 @@ def describe_shape(key: tuple) -> str:
     return ", ".join(" ".join([name, "x".join(map(str, shape))]).strip() for name, shape in key)
 
 
+def format_mfu(mfu: float | None) -> str:
+    """`38.2 %`, or `unknown` when the step ran faster than the known peak."""
+    return "unknown" if mfu is None else f"{100 * mfu:.1f} %"
+
+
 def format_flops(flops: float) -> str:
     for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
         if flops >= scale:
@@ -195,11 +209,12 @@ class Tally:
 
     images: float = 0.0
     flops: float = 0.0
-    wait_s: float = 0.0  # between the end of a step and the start of the next batch's
+    wait_s: float = 0.0  # from asking for the next batch to the start of its step
     busy_s: float = 0.0  # from on_train_batch_start to on_train_batch_end
+    other_s: float = 0.0  # the rest between steps: other callbacks' work after a step
 
     def values(self) -> list[float]:
-        return [self.images, self.flops, self.wait_s, self.busy_s]
+        return [self.images, self.flops, self.wait_s, self.busy_s, self.other_s]
 
 
 @dataclass
@@ -210,7 +225,7 @@ class Figures:
     images: float  # all ranks together
     images_per_s: float
     flops_per_s: float  # all ranks together
-    mfu: float
+    mfu: float | None  # None: unknown (the step ran faster than the peak we know)
     data_wait: float  # fraction of the step time
     peak_memory: int  # bytes, the fullest rank
     seconds: float  # mean over ranks
@@ -262,7 +277,8 @@ class Throughput(Callback):
     def _reset_timing(self) -> None:
         self._window, self._epoch = Tally(), Tally()
         self._last_end = self._start = self._key = None
-        self._wait = 0.0
+        self._fetch_started: float | None = None
+        self._wait = self._other = 0.0
         self._last_step = None
 
     # --- hooks -------------------------------------------------------------------------------
@@ -275,9 +291,33 @@ class Throughput(Callback):
             dtype = training_dtype(trainer.precision)
             self.peak_flops, self.peak_source = device_peak_flops(pl_module.device, dtype)
 
+    def _clock_the_fetch(self, trainer) -> None:
+        """Note when the training loop starts fetching a batch: Lightning's data fetcher calls
+        `_start_profiler` right then (re-set at each epoch start, so wrapped again)."""
+        fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+        original = getattr(fetcher, "_start_profiler", None)
+        if original is None or getattr(original, "lun_throughput", False):
+            return
+
+        def fetch_starts() -> None:
+            self._fetch_started = time.perf_counter()
+            original()
+
+        fetch_starts.lun_throughput = True
+        fetcher._start_profiler = fetch_starts
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         now = time.perf_counter()
-        self._wait = 0.0 if self._last_end is None else now - self._last_end
+        self._wait = self._other = 0.0
+        if self._last_end is None:
+            pass
+        elif self._fetch_started is not None and self._fetch_started >= self._last_end:
+            self._wait = now - self._fetch_started  # only the wait for this batch
+            self._other = self._fetch_started - self._last_end  # counts as time, not as wait
+        else:  # the first batch of an epoch: fetched before the clock was wrapped again
+            self._wait = now - self._last_end
+        self._fetch_started = None
+        self._clock_the_fetch(trainer)
         self._key = shape_key(batch)
         if self._key not in self.flops_per_image:
             # This micro-batch's forward and backward are counted (and left out of the timing).
@@ -300,6 +340,7 @@ class Throughput(Callback):
                 tally.images += images
                 tally.flops += images * self.flops_per_image[self._key]
                 tally.wait_s += self._wait
+                tally.other_s += self._other
                 tally.busy_s += now - self._start
         self._last_end = time.perf_counter()
         step = trainer.global_step
@@ -342,7 +383,7 @@ class Throughput(Callback):
         )
         ranks = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local[None]
         ranks = ranks.double().cpu().tolist()
-        seconds = [wait + busy for _, _, wait, busy, _ in ranks]
+        seconds = [wait + busy + other for _, _, wait, busy, other, _ in ranks]
         if min(seconds) <= 0:
             return None  # a rank timed nothing (all its micro-batches were counted)
         flops_per_s = sum(r[1] / s for r, s in zip(ranks, seconds, strict=True))
@@ -351,12 +392,21 @@ class Throughput(Callback):
             images=sum(r[0] for r in ranks),
             images_per_s=sum(r[0] / s for r, s in zip(ranks, seconds, strict=True)),
             flops_per_s=flops_per_s,
-            mfu=flops_per_s / (self.peak_flops * len(ranks)),
+            mfu=self._mfu(pl_module, flops_per_s / len(ranks), trainer),
             data_wait=sum(r[2] / s for r, s in zip(ranks, seconds, strict=True)) / len(ranks),
-            peak_memory=int(max(r[4] for r in ranks)),
+            peak_memory=int(max(r[5] for r in ranks)),
             seconds=sum(seconds) / len(ranks),
             warmup=warmup,
         )
+
+    def _mfu(self, pl_module, flops_per_s: float, trainer) -> float | None:
+        """Achieved / peak FLOP/s of one device, or None rather than a figure above 100 %."""
+        if flops_per_s > self.peak_flops and self.peak_source.endswith("measured matmul"):
+            # The probe read low (a loaded CPU): probe again, keep the best of the probes.
+            dtype = DTYPES.get(training_dtype(trainer.precision), torch.float32)
+            self.peak_flops = measured_matmul_flops(pl_module.device, dtype, again=True)
+        mfu = flops_per_s / self.peak_flops
+        return mfu if mfu <= 1.0 else None
 
     def _close_window(self, trainer, pl_module, warmup: bool) -> None:
         figures = self._figures(trainer, pl_module, self._window, warmup)
@@ -367,10 +417,11 @@ class Throughput(Callback):
         self.latest = figures
         metrics = {
             "throughput/img_per_s": figures.images_per_s,
-            "throughput/mfu": figures.mfu,
             "throughput/data_wait": figures.data_wait,
             "throughput/peak_mem_gb": figures.peak_memory / 2**30,
         }
+        if figures.mfu is not None:
+            metrics["throughput/mfu"] = figures.mfu
         for each in trainer.loggers:
             each.log_metrics(metrics, step=trainer.global_step)
 
@@ -385,7 +436,7 @@ class Throughput(Callback):
     @staticmethod
     def summary(figures: Figures) -> str:
         """`MFU 38.2 %, data wait 3.1 %` (for the epoch line)."""
-        return f"MFU {100 * figures.mfu:.1f} %, data wait {100 * figures.data_wait:.1f} %"
+        return f"MFU {format_mfu(figures.mfu)}, data wait {100 * figures.data_wait:.1f} %"
 
     def report(self, world_size: int = 1, precision: str = "") -> str:
         """The end-of-run report: a few lines over the windows after the warm-up."""
@@ -403,12 +454,18 @@ class Throughput(Callback):
             def mean(name: str) -> float:  # weighted by time: all images / all time
                 return sum(getattr(w, name) * w.seconds for w in timed) / total
 
+            known = [w for w in timed if w.mfu is not None]
+            mfu = (
+                sum(w.mfu * w.seconds for w in known) / sum(w.seconds for w in known)
+                if known
+                else None
+            )
             median = statistics.median(w.images_per_s for w in timed)
             lines += [
                 f"  {span}{timed[-1].step}, {devices}",
                 f"  images/s: {mean('images_per_s'):.1f} mean, {median:.1f} median of "
                 f"{len(timed)} window{'s' * (len(timed) > 1)} (all devices together)",
-                f"  MFU: {100 * mean('mfu'):.1f} % of {format_flops(self.peak_flops)}/s per "
+                f"  MFU: {format_mfu(mfu)} of {format_flops(self.peak_flops)}/s per "
                 f"device ({self.peak_source})",
                 f"  data wait: {100 * mean('data_wait'):.1f} % of the step time",
             ]

@@ -56,7 +56,7 @@ LOADER_VALUES = {
     "batch_size": (lambda v: is_count(v, 1), "a whole number >= 1"),
     "num_workers": (lambda v: is_count(v, 0), "a whole number >= 0"),
     "persistent_workers": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
-    "pin_memory": (lambda v: isinstance(v, bool), "true or false"),
+    "pin_memory": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
 }
 
 
@@ -160,7 +160,9 @@ class DataModule(L.LightningDataModule):
     batch_size: images per batch on each device.
     num_workers: DataLoader worker processes per device.
     persistent_workers: keep workers alive between epochs; default true when num_workers > 0.
-    pin_memory: page-locked batches for faster host-to-GPU copies.
+    pin_memory: page-locked batches for faster, asynchronous host-to-GPU copies; default (null)
+        true when the trainer runs on CUDA (where pinning is what lets the copy overlap the
+        step), false elsewhere.
     seed: seed of the data order; default the seed given to seed_everything, else 0.
     cache: a folder written by scripts/cache_latents.py: training then reads the training set's
         VAE latents (and text-encoder outputs) from it instead of its images
@@ -175,7 +177,7 @@ class DataModule(L.LightningDataModule):
         batch_size: int = 1,
         num_workers: int = 0,
         persistent_workers: bool | None = None,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
         seed: int | None = None,
         cache: str | None = None,
     ):
@@ -232,7 +234,15 @@ class DataModule(L.LightningDataModule):
         settings["persistent_workers"] = bool(
             settings["persistent_workers"] and settings["num_workers"] > 0
         )
+        if settings["pin_memory"] is None:
+            settings["pin_memory"] = self._device_type() == "cuda"
         return settings
+
+    def _device_type(self) -> str | None:
+        """The type of the device the trainer trains on (None without a trainer)."""
+        trainer = self.trainer
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        return getattr(getattr(strategy, "root_device", None), "type", None)
 
     def _rank_and_world_size(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -299,3 +299,54 @@ def test_resume_reads_the_weights_into_the_model_one_tensor_at_a_time(make_loade
         assert torch.equal(p, q), name
     for name, shadow in ema.shadows.items():
         assert torch.equal(restored.shadows[name], shadow), name
+
+
+def test_auto_update_every_is_the_smallest_n_within_the_budget():
+    from lun.callbacks.ema import choose_update_every
+
+    # 3 % of a 200 ms step is 6 ms; a 100 ms update needs N = ceil(100 / 6) = 17 steps.
+    assert choose_update_every(0.100, 0.200, 0.03) == 17
+    assert choose_update_every(0.006, 0.200, 0.03) == 1  # exactly the budget: every step
+    assert choose_update_every(0.0061, 0.200, 0.03) == 2
+    assert choose_update_every(0.5, 0.1, 0.05) == 100
+
+
+class UpdateSteps(pl.Callback):
+    """The optimizer steps after which the EMA's update count changed (seen from outside)."""
+
+    def __init__(self, ema):
+        self.ema, self.steps, self.seen = ema, [], 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.ema.num_updates != self.seen:
+            self.steps.append(trainer.global_step)
+            self.seen = self.ema.num_updates
+
+
+def test_auto_ema_equals_hand_computed_average_and_prints_its_choice(
+    make_module, make_loader, fit, caplog
+):
+    caplog.set_level("INFO")
+    decay, max_steps = 0.9, 12
+    ema = EMA(decay=decay, update_every="auto", budget=0.5, warmup="none")
+    recorder, updates = WeightRecorder(), UpdateSteps(ema)
+    fit(
+        make_module(),
+        [SeedEveryStep(), recorder, ema, updates],
+        make_loader(batches=12),
+        max_steps=max_steps,
+    )
+    assert updates.steps[0] == 1 and len(updates.steps) >= 2  # timed first update, then every N
+    expected, last = {n: w.double() for n, w in recorder.by_step[0].items()}, 0
+    for step in updates.steps:
+        keep = decay ** (step - last)  # decay^N for the N steps since the last update
+        expected = {
+            n: keep * s + (1 - keep) * recorder.by_step[step][n].double()
+            for n, s in expected.items()
+        }
+        last = step
+    assert ema.num_updates == updates.steps[-1]
+    for name, shadow in ema.shadows.items():
+        assert_close(shadow.double(), expected[name], rtol=1e-5, atol=1e-6)
+    line = f"EMA: shadows in host RAM, updated every {ema.update_every} optimizer step(s)"
+    assert line in caplog.text

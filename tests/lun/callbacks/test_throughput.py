@@ -337,3 +337,49 @@ def test_under_ddp_images_are_global_and_the_report_is_printed_once(tmp_path):
     output = result.stdout + result.stderr
     assert output.count("throughput report:") == 1
     assert "2 devices" in output
+
+
+class SlowAfterStep(pl.Callback):
+    """A callback that takes 0.1 s after every step (as a slow EMA update would)."""
+
+    def __init__(self):
+        self.ends = []  # when each step ended (before the sleep)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.ends.append(time.perf_counter())
+        time.sleep(0.1)
+
+
+def test_time_spent_by_other_callbacks_after_a_step_is_no_data_wait(fit):
+    throughput = Throughput(peak_flops=PEAK, warmup_steps=0, log_every_n_steps=10)
+    loader = DataLoader(RandomImages(12), batch_size=2)
+    slow = SlowAfterStep()
+    fit(TinyDiffusion(), [throughput, slow], loader, max_steps=6)
+    window = throughput.windows[-1]  # steps 2-6 (step 1 is counted, not timed): 5 x 0.1 s slept
+    # The callback's time is the run's time (img/s includes it): the window spans the wall time
+    # from the end of step 1 to the end of step 6, sleeps included.
+    assert window.seconds == pytest.approx(slow.ends[-1] - slow.ends[0], rel=0.05)
+    waited = window.data_wait * window.seconds
+    assert waited < 0.25, window  # but it is not waiting for data (counted, it would be >= 0.5)
+
+
+def test_mfu_is_never_shown_above_100_percent(fit, capsys, caplog):
+    # A peak far below what the step achieves (a wrong `peak_flops`): "unknown", not 10^5 %.
+    throughput = Throughput(peak_flops=1.0, log_every_n_steps=2, warmup_steps=0)
+    bar = SmoothedProgressBar(log_every_n_steps=2, interactive=False)
+    with caplog.at_level("INFO"):
+        fit(TinyDiffusion(), [throughput, bar], DataLoader(RandomImages(8), batch_size=2))
+    assert throughput.windows and all(w.mfu is None for w in throughput.windows)
+    assert "MFU: unknown of 1 FLOP/s per device (given)" in caplog.text
+    assert "| mfu ?" in capsys.readouterr().err
+
+
+def test_a_probe_that_read_low_is_taken_again(fit, monkeypatch):
+    from lun.callbacks import throughput as module
+
+    # A loaded CPU's probe: 1 kFLOP/s, far below what the step itself achieves.
+    monkeypatch.setitem(module._MEASURED_PEAKS, ("cpu", torch.float32), 1e3)
+    throughput = Throughput(log_every_n_steps=2, warmup_steps=0)
+    fit(TinyDiffusion(), [throughput], DataLoader(RandomImages(8), batch_size=2))
+    assert throughput.peak_flops > 1e6  # probed again: the best of the probes
+    assert all(w.mfu is not None and 0 < w.mfu <= 1 for w in throughput.windows)

@@ -226,3 +226,42 @@ def test_seed_and_pin_memory_settings(flat_folder):
         assert loader.pin_memory and not loader.persistent_workers
         orders.append(list(loader.batch_sampler))
     assert orders[0] == orders[1] != orders[2]
+
+
+def test_pinned_batches_by_default_on_cuda_only(flat_folder):
+    datamodule = instantiate_from_config(_config(flat_folder))
+    assert not datamodule.train_dataloader().pin_memory  # no trainer: nothing to pin for
+    for device, pinned in (("cuda", True), ("cpu", False)):
+        trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
+        datamodule = instantiate_from_config(_config(flat_folder))
+        datamodule.trainer = trainer
+        assert datamodule._settings("train")["pin_memory"] is pinned
+    datamodule = instantiate_from_config(_config(flat_folder, pin_memory=False))
+    datamodule.trainer = trainer
+    assert datamodule._settings("train")["pin_memory"] is False  # the user's word wins
+
+
+def test_epoch_boundaries_keep_the_same_workers(flat_folder):
+    """A small set (a DreamBooth set) crosses an epoch every few steps: its workers must live
+    on, not be started again at every boundary."""
+    import os
+
+    from torch.utils.data import get_worker_info
+
+    from lun.data.local import Local
+
+    seen = []
+
+    class WorkerPid(Local):
+        def __getitem__(self, index):
+            item = super().__getitem__(index)
+            return {**item, "pid": torch.tensor(os.getpid() if get_worker_info() else -1)}
+
+    config = _config(flat_folder, num_workers=1)
+    config.params.train.target = f"{__name__}.WorkerPidLocal"
+    globals()["WorkerPidLocal"] = WorkerPid
+    loader = instantiate_from_config(config).train_dataloader()
+    for _ in range(3):  # three epochs
+        seen += [int(pid) for batch in loader for pid in batch["pid"]]
+    assert loader.persistent_workers
+    assert len(set(seen)) == 1 and seen[0] not in (-1, os.getpid()), set(seen)

@@ -1,0 +1,227 @@
+"""The training loop's own cost: `main.py` (Lightning and every default callback) against a plain
+PyTorch loop of the same model, data and optimizer, in one process.
+
+    python scripts/benchmark_loop.py                       # the demo model (configs/demo/shapes.yaml)
+    python scripts/benchmark.py --only loop
+
+Both sides build the model, data module and optimizer (with its LR schedule) from the same
+config through the same functions (`lun.trainer.build_model`, `build_data`,
+`configure_optimizers`), seed 0, one thread. The plain loop is
+
+    for batch in loader: loss = model.diffusion_loss(batch)[0]; loss.backward();
+                         optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
+
+and `main.py` runs `-t` on the config with its defaults (progress bar, throughput, checkpoints,
+NaN guard, LR monitor, RNG state; the demo's EMA). The plain loop runs before and after main.py
+and its mean counts (a shared machine's load drifts). Printed: the median ms per optimizer step
+of each after the warm-up, and the overhead (main.py - plain), in wall time and in CPU time of
+the process (all its threads: on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
+(`.item()`, `bool()`, `float()`, `.tolist()`: the host-device syncs on an accelerator) are
+counted per step of main.py, and the steps that had one are listed: only logging steps should.
+"""
+
+import argparse
+import contextlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO = REPO / "configs" / "demo" / "shapes.yaml"
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+# Host reads of tensors that are on the host by design, not syncs with a device: the data
+# pipeline (it runs in the loader's workers when there are any) and the caption dropout mask of
+# classifier-free guidance (drawn on the CPU, read to pick the captions).
+ON_THE_HOST = ("/torch/utils/data/", "ldm/data", "lun/data/", "ldm/conditioning.py")
+
+
+def on_the_host(frame) -> bool:
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in ON_THE_HOST):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class StepClock:
+    """A callback: the time of every optimizer step's end, and the host reads made in each step
+    (from one step's `on_train_batch_start` to the next's, so a step's logging counts for it)."""
+
+    def __init__(self):
+        from lightning.pytorch.callbacks import Callback
+
+        class Clock(Callback):
+            def on_train_batch_start(clock, trainer, pl_module, batch, batch_idx):
+                self.step = trainer.global_step + 1
+
+            def on_train_batch_end(clock, trainer, pl_module, outputs, batch, batch_idx):
+                self.ends.append(time.perf_counter())
+                self.cpu_ends.append(time.process_time())
+
+        self.callback = Clock()
+        self.ends: list[float] = []
+        self.cpu_ends: list[float] = []  # CPU seconds of the process (all its threads)
+        self.step = 0
+        self.reads: dict[int, int] = {}
+
+    @contextlib.contextmanager
+    def counting_host_reads(self):
+        """Count calls of the Tensor methods that read a value on the host, by step."""
+        originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+        def counted(original):
+            def read(tensor, *args, **kwargs):
+                if self.step and not on_the_host(sys._getframe(1)):
+                    self.reads[self.step] = self.reads.get(self.step, 0) + 1
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counted(original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+
+
+def overrides(data_root: Path, steps: int, width: int, batch_size: int, every: int) -> list[str]:
+    return [
+        f"data.params.train.params.data_root={data_root}",
+        f"data.params.batch_size={batch_size}",
+        f"model.params.unet_config.params.model_channels={width}",
+        f"lightning.trainer.max_steps={steps}",
+        f"lightning.trainer.log_every_n_steps={every}",
+        f"lightning.callbacks.progress_bar.params.log_every_n_steps={every}",
+    ]
+
+
+def main_py_loop(config: Path, dotlist: list[str], logdir: Path) -> StepClock:
+    """Run main.py in this process with a StepClock among its callbacks."""
+    sys.path.insert(0, str(REPO))
+    import lun.trainer
+    import main as launcher
+
+    clock, build = StepClock(), lun.trainer.build_callbacks
+
+    def with_clock(*args, **kwargs):
+        return [clock.callback, *build(*args, **kwargs)]
+
+    lun.trainer.build_callbacks = with_clock
+    try:
+        with clock.counting_host_reads():
+            code = launcher.main(["--base", str(config), "-t", "--logdir", str(logdir), *dotlist])
+    finally:
+        lun.trainer.build_callbacks = build
+    if code:
+        raise SystemExit(f"main.py exited with {code}")
+    return clock
+
+
+def plain_loop(config: Path, dotlist: list[str], steps: int) -> tuple[list[float], list[float]]:
+    """The same model, data and optimizer in a for loop; the wall and CPU time of every step's
+    end."""
+    from lightning.pytorch import seed_everything
+    from omegaconf import OmegaConf
+
+    from lun.trainer import build_data, build_model
+
+    seed_everything(0, verbose=False)
+    cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(dotlist))
+    cfg = OmegaConf.to_container(cfg, resolve=True)
+    model, data = build_model(cfg["model"]), build_data(cfg["data"])
+    data.setup("fit")
+    model.learning_rate = cfg["model"]["base_learning_rate"]
+    configured = model.configure_optimizers()
+    optimizer = configured["optimizer"] if isinstance(configured, dict) else configured
+    scheduler = configured.get("lr_scheduler") if isinstance(configured, dict) else None
+    scheduler = scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler
+    model.train()
+    ends, cpu_ends = [], []
+    while len(ends) < steps:
+        for batch in data.train_dataloader():
+            loss = model.diffusion_loss(batch)[0]
+            loss.backward()
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            ends.append(time.perf_counter())
+            cpu_ends.append(time.process_time())
+            if len(ends) == steps:
+                break
+    return ends, cpu_ends
+
+
+def median_ms(ends: list[float], warmup: int) -> float:
+    return 1e3 * statistics.median(b - a for a, b in zip(ends[warmup:], ends[warmup + 1 :]))
+
+
+def make_data(folder: Path, n: int) -> Path:
+    subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "make_shapes.py"), "--out", str(folder)]
+        + ["--n", str(n), "--size", "16", "--seed", "0"],
+        check=True,
+        capture_output=True,
+    )
+    return folder
+
+
+def loop_table(args, tmp: Path) -> list[str]:
+    torch.set_num_threads(args.threads)
+    data = make_data(tmp / "shapes", args.images)
+    steps = args.warmup + args.steps
+    dotlist = overrides(data, steps, args.width, args.batch_size, args.log_every)
+    config = Path(args.config)
+    before = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
+    clock = main_py_loop(config, dotlist, tmp / "logs")
+    ours, ours_cpu = median_ms(clock.ends, args.warmup), median_ms(clock.cpu_ends, args.warmup)
+    after = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
+    (plain_before, cpu_before), (plain_after, cpu_after) = before, after
+    plain, plain_cpu = (plain_before + plain_after) / 2, (cpu_before + cpu_after) / 2
+    synced = sorted(s for s in clock.reads if s > 1)
+    rows = [
+        f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, "
+        f"{args.threads} thread) | wall ms/step | CPU ms/step |",
+        "|---|---|---|",
+        f"| plain PyTorch loop (before / after) | {plain_before:.1f} / {plain_after:.1f} "
+        f"| {cpu_before:.1f} / {cpu_after:.1f} |",
+        f"| main.py, every default callback | {ours:.1f} | {ours_cpu:.1f} |",
+        f"| overhead of main.py per optimizer step | {ours - plain:+.1f} ({ours / plain:.2f}x) "
+        f"| {ours_cpu - plain_cpu:+.1f} ({ours_cpu / plain_cpu:.2f}x) |",
+        f"| steps of main.py with host reads (after step 1; logging every {args.log_every}) "
+        f"| {synced} | |",
+    ]
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", default=str(DEMO))
+    parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--width", type=int, default=32, help="UNet model_channels")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--images", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=25)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> list[str]:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        return loop_table(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
