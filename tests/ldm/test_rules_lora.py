@@ -246,3 +246,35 @@ def test_kohya_metadata_names_the_alphas_the_layers_use(settings, dim, alpha, ar
     meta = lora_kohya.kohya_metadata(parsed, "sd_v1")
     assert (meta["ss_network_dim"], meta["ss_network_alpha"]) == (dim, alpha)
     assert json.loads(meta.get("ss_network_args", "null")) == args
+
+
+@pytest.mark.parametrize("alpha, scale", [(None, 1.0), (1.5, 0.5)])
+def test_sd2_split_qkv_from_a_kohya_file_merges_at_alpha_over_rank(
+    tiny_config, tmp_path, alpha, scale
+):
+    """SD 2.x: kohya names the OpenCLIP tower's fused q/k/v by the split q_proj / k_proj / v_proj
+    of HF CLIP; each goes to its third of `in_proj_weight` at the same rule (no alpha: scale 1)."""
+    config = yaml.safe_load(tiny_config.read_text())
+    config["model"]["params"]["cond_stage_config"] = {
+        "target": "ldm.text_encoder.FrozenOpenCLIPEmbedder",
+        "params": {"width": 32, "layers": 3, "heads": 2, "embed_dim": 32, "layer": "penultimate"},
+    }
+    path = tmp_path / "tiny-v2.yaml"
+    path.write_text(yaml.safe_dump(config))
+    model = build(path, None).eval()
+    fused = next(
+        m.in_proj_weight for n, m in model.named_modules() if n.endswith("resblocks.0.attn")
+    )
+    before = fused.detach().clone()
+    g = torch.Generator().manual_seed(4)
+    state, deltas = {}, {}
+    for part in ("q", "v"):
+        key = f"lora_te_text_model_encoder_layers_0_self_attn_{part}_proj"
+        down, up = torch.randn(3, 32, generator=g), torch.randn(32, 3, generator=g)
+        state[f"{key}.lora_down.weight"], state[f"{key}.lora_up.weight"] = down, up
+        if alpha is not None:
+            state[f"{key}.alpha"] = torch.tensor(alpha)
+        deltas[part] = scale * up @ down
+    lora.merge_file(model, state)
+    expected = before + torch.cat([deltas["q"], torch.zeros(32, 32), deltas["v"]])
+    torch.testing.assert_close(fused.detach(), expected, rtol=1e-4, atol=1e-5)
