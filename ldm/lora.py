@@ -64,7 +64,7 @@ class LoraSettings:
         conv_dim / conv_alpha), its Linear and 1x1 layers use rank and alpha. Neither set: the
         3x3 convolutions use rank and alpha too. conv_rank set without conv_alpha: conv_alpha
         is 1, kohya's rule (sd-scripts networks/lora.py `create_network`: "if conv_alpha is None:
-        conv_alpha = 1.0"), so a kohya config gives the same network here (see `conv`).
+        conv_alpha = 1.0"), so conv_dim=8 means the same in both (docs/lora-rules.md).
     dora: DoRA (also learn each output row's magnitude).
     init: "default" (peft: Kaiming-uniform A, zero B) or "gaussian" (A ~ N(0, 1/r), zero B).
     text_encoder: also train LoRA on the CLIP text encoder: `{rank, alpha, dropout, lr}`.
