@@ -5,10 +5,11 @@
 The list is YAML: one entry per bug, `{name, file, old, new, tests}` - in `file` (relative to the
 root) the text `old`, which must occur exactly once, becomes `new`; `tests` are the pytest
 arguments that guard it. Each bug runs `pytest -q -x <tests>` on the scratch copy (first on
-PYTHONPATH, so it is the code imported) and counts as caught when pytest fails. The tree
-itself is never changed; first the tests run once on the unchanged copy and must pass. Prints
-one line per bug and the share caught; exit status 1 when one was missed, 2 when the list is
-wrong (an `old` text that is not there exactly once) or the tests fail without a bug.
+PYTHONPATH, so it is the code imported) and counts as caught when a test fails (not when the
+bug breaks an import). The tree itself is never changed; first the tests run once on the
+unchanged copy and must pass. Prints one line per bug and the share caught; exit status 1 when
+one was missed, 2 when the list is wrong (an `old` text that is not there exactly once) or the
+tests fail without a bug.
 """
 
 import argparse
@@ -48,18 +49,18 @@ def _args(tests: list[str] | str) -> list[str]:
     return tests.split() if isinstance(tests, str) else list(tests)
 
 
-def caught(scratch: Path, tests: list[str] | str) -> bool:
-    """Whether pytest fails on `tests` (its arguments) in `scratch`."""
-    tests = _args(tests)
+def pytest_status(scratch: Path, tests: list[str] | str) -> int:
+    """pytest's exit status on `tests` (its arguments) in `scratch`: 0 all passed, 1 a test
+    failed, 2 or more a collection error (a bug that breaks an import shows no teeth)."""
     env = {**os.environ, "PYTHONPATH": str(scratch)}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *_args(tests)],
         cwd=scratch,
         env=env,
         capture_output=True,
         text=True,
     )
-    return result.returncode != 0
+    return result.returncode
 
 
 def main(argv=None) -> int:
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
                 print(f"plant_bugs: {bug['name']}: the old text is not in {bug['file']} once")
                 return 2
         files = sorted({_args(b["tests"])[0] for b in bugs})
-        if caught(scratch, files):  # the tests must pass on the tree as it is
+        if pytest_status(scratch, files) != 0:  # the tests must pass on the tree as it is
             print(f"plant_bugs: the tests fail without a bug planted: {' '.join(files)}")
             return 2
         results = []
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
                 print(f"plant_bugs: {err}", file=sys.stderr)
                 return 2
             try:
-                results.append(caught(scratch, bug["tests"]))
+                results.append(pytest_status(scratch, bug["tests"]) == 1)
             finally:
                 (scratch / bug["file"]).write_text(original)
             verdict = "caught" if results[-1] else "MISSED"

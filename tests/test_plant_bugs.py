@@ -1,5 +1,5 @@
 """scripts/plant_bugs.py: a planted bug that its test sees is "caught", one it does not is
-"MISSED" (exit 1), and the tree itself is left as it was."""
+"MISSED" (exit 1), as is one that only breaks an import, and the tree itself is left as it was."""
 
 import plant_bugs
 import yaml
@@ -22,11 +22,16 @@ def bug(name, old, new):
 
 
 def test_caught_and_missed_bugs_are_told_apart(tmp_path, capsys):
-    bugs = [bug("sign", "a + b", "a - b"), bug("unused", "a * 2", "a * 3")]
+    bugs = [
+        bug("sign", "a + b", "a - b"),
+        bug("unused", "a * 2", "a * 3"),
+        bug("syntax", "return a + b", "return a +"),  # a collection error, not a failing test
+    ]
     root = tree(tmp_path, bugs)
     assert plant_bugs.main([str(tmp_path / "bugs.yaml"), "--root", str(root)]) == 1
     out = capsys.readouterr().out
-    assert "caught  sign" in out and "MISSED  unused" in out and "1 of 2 caught" in out
+    assert "caught  sign" in out and "MISSED  unused" in out and "MISSED  syntax" in out
+    assert "1 of 3 caught" in out
     assert (root / "mod.py").read_text() == MODULE  # planted on a scratch copy only
 
 
