@@ -54,14 +54,17 @@ class LoraSettings:
     """`model.params.lora` of `LatentDiffusion`: which layers get adapters, and how.
 
     rank: r of the update B A (4-128 are common). alpha: the update is scaled by alpha / rank
-        (default alpha = rank: scale 1; kohya's default is alpha 1).
+        (default alpha = rank: scale 1; kohya's train_network default is alpha 1).
     dropout: dropout on the adapters' input (LoRA paper, Sec. 4).
     targets: UNet layer groups: "attn" (to_q/k/v/out.0 of self- and cross-attention), "proj"
         (the transformers' proj_in/proj_out), "ff" (feed-forward), "conv" (LoCon: ResBlock
         convolutions, time-embedding projections and shortcuts, down/upsampler convs). The
         default [attn, proj, ff] is kohya's default network.
     conv_rank, conv_alpha: rank and alpha of the 3x3 convolutions of "conv" (kohya's
-        conv_dim / conv_alpha; default rank and alpha); its Linear and 1x1 layers use rank.
+        conv_dim / conv_alpha), its Linear and 1x1 layers use rank and alpha. Neither set: the
+        3x3 convolutions use rank and alpha too. conv_rank set without conv_alpha: conv_alpha
+        is 1, kohya's rule (sd-scripts networks/lora.py `create_network`: "if conv_alpha is None:
+        conv_alpha = 1.0"), so conv_dim=8 means the same in both (docs/lora-rules.md).
     dora: DoRA (also learn each output row's magnitude).
     init: "default" (peft: Kaiming-uniform A, zero B) or "gaussian" (A ~ N(0, 1/r), zero B).
     text_encoder: also train LoRA on the CLIP text encoder: `{rank, alpha, dropout, lr}`.
@@ -80,6 +83,18 @@ class LoraSettings:
     init: str = "default"
     text_encoder: TextEncoderLora | None = None
     base_dtype: str = "auto"
+
+    @property
+    def scale_alpha(self) -> float:
+        """The alpha of the Linear and 1x1 layers: `alpha`, or rank (scale 1) when not set."""
+        return self.alpha if self.alpha is not None else self.rank
+
+    @property
+    def conv(self) -> tuple[int, float]:
+        """(rank, alpha) of the 3x3 convolutions: the one owner of the LoCon rule above."""
+        if self.conv_rank is None:
+            return self.rank, self.conv_alpha if self.conv_alpha is not None else self.scale_alpha
+        return self.conv_rank, self.conv_alpha if self.conv_alpha is not None else 1.0
 
 
 def _fail(key: str, why: str):
@@ -218,9 +233,8 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     }
     unet = model.model  # names relative to it, as the EMA callback sees them
     names = unet_targets(unet, settings.targets)
-    alpha = settings.alpha or settings.rank
-    conv_rank = settings.conv_rank or settings.rank
-    conv_alpha = settings.conv_alpha or (alpha if settings.conv_rank is None else conv_rank)
+    alpha = settings.scale_alpha
+    conv_rank, conv_alpha = settings.conv
     is_3x3 = {
         n: isinstance(unet.get_submodule(n), nn.Conv2d)
         and unet.get_submodule(n).kernel_size != (1, 1)

@@ -215,15 +215,16 @@ def kohya_metadata(settings, base_version: str) -> dict[str, str]:
     `ldm.lora.LoraSettings`; base_version: kohya's `ss_base_model_version` ("sd_v1", "sd_v2",
     "sd_v2_v", or "sdxl_base_v1-0", sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0)."""
     network_args = {}
-    if "conv" in settings.targets:
-        network_args["conv_dim"] = str(settings.conv_rank or settings.rank)
-        network_args["conv_alpha"] = str(settings.conv_alpha or settings.alpha or settings.rank)
+    if "conv" in settings.targets:  # the 3x3 convolutions' rank and alpha (LoraSettings.conv)
+        conv_rank, conv_alpha = settings.conv
+        network_args["conv_dim"] = str(conv_rank)
+        network_args["conv_alpha"] = f"{conv_alpha:g}"  # kohya: the string given, "1"
     if settings.dora:
         network_args["dora_wd"] = "True"
     meta = {
         "ss_network_module": "networks.lora",
         "ss_network_dim": str(settings.rank),
-        "ss_network_alpha": str(float(settings.alpha or settings.rank)),
+        "ss_network_alpha": str(float(settings.scale_alpha)),
         "ss_network_dropout": str(settings.dropout),
         "ss_base_model_version": base_version,
         "ss_v2": str(base_version.startswith("sd_v2")),
