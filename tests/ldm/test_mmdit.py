@@ -110,6 +110,11 @@ def test_pos_embed_is_diffusers_table():
     ours = sd3_pos_embed(64, 12, 4)
     theirs = get_2d_sincos_pos_embed(64, 12, base_size=4, output_type="pt").float()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    # and a fresh model's table is the one a fresh diffusers model of the same config makes
+    _, theirs_model = tiny_pair("sd3", randomise=False)
+    torch.testing.assert_close(
+        MMDiT(**TINY).pos_embed, theirs_model.pos_embed.pos_embed, rtol=0, atol=1e-6
+    )
 
 
 # --- tiny numerical parity ---------------------------------------------------------------------
@@ -134,14 +139,17 @@ VARIANTS = {  # ours, diffusers' extra config
 }
 
 
-def tiny_pair(variant: str) -> tuple[MMDiT, SD3Transformer2DModel]:
+def tiny_pair(variant: str, randomise: bool = True) -> tuple[MMDiT, SD3Transformer2DModel]:
+    """A tiny MMDiT and a tiny SD3Transformer2DModel; with randomise, ours gets random non-zero
+    weights and diffusers' converter copies them into theirs."""
     ours_extra, theirs_extra = VARIANTS[variant]
     torch.manual_seed(0)
     ours = MMDiT(**TINY, **ours_extra)
-    with torch.no_grad():  # non-zero everywhere: adaLN-Zero would hide the blocks
-        for name, tensor in [*ours.named_parameters(), *ours.named_buffers()]:
-            # RMSNorm scales about 1 so the attention logits stay large enough to matter.
-            tensor.copy_(torch.randn_like(tensor) * 0.1 + (".ln_" in name))
+    if randomise:  # non-zero everywhere: adaLN-Zero would hide the blocks
+        with torch.no_grad():
+            for name, tensor in [*ours.named_parameters(), *ours.named_buffers()]:
+                # RMSNorm scales about 1 so the attention logits stay large enough to matter.
+                tensor.copy_(torch.randn_like(tensor) * 0.1 + (".ln_" in name))
     theirs = SD3Transformer2DModel(
         sample_size=TINY["sample_size"],
         patch_size=2,
@@ -156,7 +164,8 @@ def tiny_pair(variant: str) -> tuple[MMDiT, SD3Transformer2DModel]:
         pos_embed_max_size=TINY["pos_embed_max_size"],
         **theirs_extra,
     )
-    theirs.load_state_dict(convert(original_state_dict(ours)), strict=True)
+    if randomise:
+        theirs.load_state_dict(convert(original_state_dict(ours)), strict=True)
     return ours, theirs
 
 
