@@ -54,13 +54,12 @@ def sd3_pos_embed(dim: int, max_size: int, base_size: int) -> torch.Tensor:
         raise ValueError(f"the 2-D sin-cos embedding needs a width divisible by 4, got {dim}")
     positions = torch.arange(max_size, dtype=torch.float32) / (max_size / base_size)  # (S,)
     omega = 1.0 / 10000 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim / 4))  # (D/4,)
-    rows, cols = torch.meshgrid(positions, positions, indexing="ij")  # each (S, S)
-
-    def embed_1d(pos: torch.Tensor) -> torch.Tensor:  # (N,) -> (N, D/2)
-        args = pos.reshape(-1, 1).double() * omega[None]
-        return torch.cat([torch.sin(args), torch.cos(args)], dim=1)
-
-    return torch.cat([embed_1d(cols), embed_1d(rows)], dim=1).float()  # (S*S, D)
+    args = positions.double()[:, None] * omega[None]  # (S, D/4)
+    # One row per position, then broadcast: the full table in float64 would be ~2 GB at 384^2.
+    embed = torch.cat([torch.sin(args), torch.cos(args)], dim=1).float()  # (S, D/2)
+    cols = embed[None].expand(max_size, -1, -1)  # (S rows, S cols, D/2), varies along cols
+    rows = embed[:, None].expand(-1, max_size, -1)
+    return torch.cat([cols, rows], dim=2).reshape(max_size * max_size, dim)  # (S*S, D)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
