@@ -28,6 +28,7 @@ import torch
 from ldm import checkpoint, diffusers_layout
 from ldm.conditioning_xl import CAPTION_KEY, SIZE_KEYS
 from ldm.diffusers_layout import is_diffusers_folder
+from ldm.layout import family
 from ldm.schedule import SCHEDULE_BUFFER_NAMES, schedule_betas
 from ldm.util import instantiate_from_config, latent_diffusion_params
 from lun.config import merge_configs, to_container
@@ -363,6 +364,19 @@ def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     return state
 
 
+def check_convertible(args, keys: list[str]) -> None:
+    """A model checkpoint, of the config's family when a config is given or needed (before
+    anything is written): a LoRA file or another family's file is one line naming both."""
+    found = family.model_family(keys)
+    if found == family.LORA:
+        expected = "a model checkpoint (a run's .ckpt or an SD checkpoint)"
+        checkpoint.check_family(args.ckpt, found, "model", "ckpt", expected)
+    if args.config or args.to_diffusers:
+        configs = [args.config] if args.config else find_config(Path(args.ckpt))
+        expected = checkpoint.config_family(to_container(merge_configs(configs))["model"])
+        checkpoint.check_family(args.ckpt, found, expected, "ckpt")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +415,7 @@ def main(argv=None) -> None:
         else:
             # Memory-mapped: a tensor is read when it is written out (optimizer state never).
             contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
+        check_convertible(args, checkpoint.file_state_keys(contents))
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.out:

@@ -25,8 +25,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ldm import checkpoint  # noqa: E402
+from lun.config import merge_configs, to_container  # noqa: E402
 from lun.generation import (  # noqa: E402
     SAMPLER_NAMES,
+    check_model_file,
     load_model,
     one_line_errors,
     starting_noise,
@@ -80,6 +83,14 @@ def check_inputs(args) -> list:
     from lun.eval.clip_score import check_clip_folder
     from lun.eval.features import check_features_file
 
+    for ckpt in args.ckpts:  # first: a wrong checkpoint is the likeliest mistake
+        if not Path(ckpt).exists():
+            raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    expected = None
+    if args.base:
+        expected = checkpoint.config_family(to_container(merge_configs(args.base))["model"])
+    for ckpt in args.ckpts:
+        check_model_file(ckpt, expected, "ckpt", args.unsafe_load)
     inputs = read_prompt_file(args.prompts) if args.prompts else list(args.classes)
     check_features_file(args.features, "--features")
     if args.clip is not None:
@@ -88,9 +99,6 @@ def check_inputs(args) -> list:
             raise ValueError("--clip: the CLIP score needs --prompts, not --classes")
     if not Path(args.reference).is_dir():
         raise ValueError(f"--reference={args.reference}: no such folder of real images")
-    for ckpt in args.ckpts:
-        if not Path(ckpt).exists():
-            raise FileNotFoundError(f"checkpoint not found: {ckpt}")
     if args.num_images < 2:
         raise ValueError(f"--num-images={args.num_images}: FID needs at least 2 images")
     return inputs

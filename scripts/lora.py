@@ -21,7 +21,13 @@ import torch
 from ldm import checkpoint, lora, lora_kohya
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
-from lun.generation import find_config, one_line_errors, writing
+from lun.generation import (
+    check_lora_files,
+    check_lora_target,
+    find_config,
+    one_line_errors,
+    writing,
+)
 from lun.lora_use import parse_spec, safetensors_metadata
 from lun.strategies import load_training_checkpoint
 
@@ -34,7 +40,7 @@ def load_model(args):
     model = instantiate_from_config(to_container(cfg.model))
     # A file, or a DeepSpeed / sharded FSDP folder merged into one state dict.
     contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
-    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents)
+    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents, what="ckpt")
     return model.eval()
 
 
@@ -60,10 +66,12 @@ def export(args) -> None:
 
 
 def merge(args) -> None:
+    files = [parse_spec(item) for item in args.lora]
+    check_lora_files(files)  # before the model is built
     model = load_model(args)
+    check_lora_target(model, files)
     merged = lora.merge_adapters(model, args.weight) if lora.has_adapters(model) else 0
-    for item in args.lora:
-        path, weight = parse_spec(item)
+    for path, weight in files:
         state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
         metadata = safetensors_metadata(path)
         merged += lora.merge_file(model, state, weight, source=str(path), metadata=metadata)

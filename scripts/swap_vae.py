@@ -26,12 +26,13 @@ import torch
 from ldm.checkpoint import (
     EMA_PREFIX,
     FIRST_STAGE_PREFIX,
+    check_family,
     ema_key,
     load_file_state,
     save_safetensors,
     state_dict_of,
 )
-from ldm.layout import diffusers_vae
+from ldm.layout import diffusers_vae, family
 
 VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
@@ -39,6 +40,10 @@ VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str, torch.Tensor]:
     """The VAE's weights under their bare original names, from any of the accepted files."""
     state = state_dict_of(load_file_state(path, unsafe=unsafe))
+    found = family.model_family(state)
+    if found != family.VAE and not any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
+        expected = "a VAE, or a model checkpoint holding one (first_stage_model.*)"
+        check_family(path, found, family.VAE, "--vae", expected)
     if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
         state = {k.removeprefix(FIRST_STAGE_PREFIX): v for k, v in state.items()}
     vae = {k: v for k, v in state.items() if k.startswith(VAE_PARTS)}
@@ -95,7 +100,12 @@ def main(argv=None) -> int:
     try:
         vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
         if opt.ckpt:
-            state = swap(state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load)), vae, opt.ckpt)
+            diffusion = state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load))
+            found = family.model_family(diffusion)
+            if found in (family.VAE, family.LORA):
+                expected = "a diffusion model checkpoint (first_stage_model.*)"
+                check_family(opt.ckpt, found, "model", "--ckpt", expected)
+            state = swap(diffusion, vae, opt.ckpt)
         else:
             state = vae
     except (OSError, ValueError, KeyError) as err:
