@@ -391,15 +391,16 @@ def data_section(args) -> list[str]:
 SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv=None) -> None:
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--only",
         nargs="+",
         choices=SECTIONS,
         default=SECTIONS,
+        help="sections to run (scripts/benchmark_<section>.py runs one alone)",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument(
@@ -409,8 +410,8 @@ def main() -> None:
         default=list(DTYPES),
         help="train section dtypes (bf16 is ~20x slower than fp32 on CPUs without AVX512-bf16)",
     )
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--sample-runs", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--sample-runs", type=int, default=2, help="sampling section: runs")
     parser.add_argument(
         "--cpu-seconds",
         action="store_true",
@@ -422,7 +423,7 @@ def main() -> None:
     parser.add_argument(
         "--lora-memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.memory_child:
         memory_child(args.memory_child, args.checkpointing, device)

@@ -260,9 +260,9 @@ def build_section(args) -> list[str]:
 
 
 def main(argv=None) -> list[str]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--only", nargs="+", choices=["step", "build"], default=["step", "build"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)

@@ -172,9 +172,9 @@ def demo_table(args, tmp: Path) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--n", type=int, default=96, help="source images per size")
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=[512, 1024], help="source sides (px)"

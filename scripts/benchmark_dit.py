@@ -141,3 +141,11 @@ def dit_section(args, device) -> list[str]:
                 )
                 print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's dit table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "dit", *sys.argv[1:]])

@@ -165,3 +165,11 @@ def lora_section(args, device) -> list[str]:
 
 
 # The SD VAE's structure at half width (ch 64 instead of 128), 64x64 images, batch 4.
+
+
+if __name__ == "__main__":  # alone: benchmark.py's lora table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "lora", *sys.argv[1:]])

@@ -120,3 +120,11 @@ def sdxl_section(args, device) -> list[str]:
         )
         print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's sdxl table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "sdxl", *sys.argv[1:]])

@@ -103,3 +103,11 @@ def vae_section(args, device) -> list[str]:
             )
             print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's vae table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "vae", *sys.argv[1:]])

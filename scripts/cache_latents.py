@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml")
     parser.add_argument("--out", help="cache folder (default: data.params.cache)")
     parser.add_argument(

@@ -220,9 +220,9 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--ckpt", required=True, help="checkpoint of a run trained on shapes")
     parser.add_argument("--config", help="model config (default: the run folder's saved config)")
     parser.add_argument("--n", type=int, default=8, help="images per (colour, shape) prompt")

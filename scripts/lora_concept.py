@@ -150,9 +150,9 @@ def train(args, name: str, prior: bool) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--base-ckpt", required=True, help="a shapes demo checkpoint (make demo)")
     parser.add_argument("--out", type=Path, default=Path("outputs/lora-concept"))
     parser.add_argument(

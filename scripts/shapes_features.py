@@ -69,9 +69,9 @@ def train(args) -> tuple[SmallCNN, float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", required=True, help="the .safetensors file to write")
     parser.add_argument("--size", type=int, default=16, help="image side (the demo's: 16)")
     parser.add_argument("--n", type=int, default=3000, help="training images (drawn fresh)")

@@ -75,7 +75,11 @@ def train(vae: AutoencoderKLTraining, images: torch.Tensor, steps: int, batch: i
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--n", type=int, default=240, help="images generated (30%% textured)")
     parser.add_argument("--steps", type=int, default=1500, help="stage 1 (whole VAE) steps")
     parser.add_argument("--finetune-steps", type=int, default=300, help="stage 2 steps")
