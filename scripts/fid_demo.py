@@ -13,6 +13,8 @@
 5. writes fid.png (FID and accuracy against the step) and fid.json next to it.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import subprocess

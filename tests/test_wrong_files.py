@@ -353,3 +353,16 @@ def test_the_launcher_names_a_wrong_ckpt_path_or_resume_in_one_line(
     lines = [line for line in result.stderr.splitlines() if "lun.run: resuming from" not in line]
     assert_one_line(result.returncode, lines, *words)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_vae_run_starts_from_any_model_holding_a_vae_but_not_from_a_lora(files):
+    """configs/autoencoder/sd-vae-finetune.yaml: `ckpt_path` is an SD checkpoint (its
+    first_stage_model.*), a VAE file or a VAE run's checkpoint - a LoRA file holds no VAE."""
+    vae = to_container(merge_configs([ROOT / "configs" / "autoencoder" / "tiny.yaml"]))["model"]
+    for name in ("sd1", "vae_run"):
+        checkpoint.check_config_files(
+            {**vae, "params": {**vae["params"], "ckpt_path": files[name]}}
+        )
+    with pytest.raises(checkpoint.WrongFileError, match="is a LoRA file, expected a VAE"):
+        lora_run = {**vae["params"], "ckpt_path": files["lora"]}
+        checkpoint.check_config_files({**vae, "params": lora_run})
