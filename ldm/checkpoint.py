@@ -64,7 +64,12 @@ class WrongFileError(ValueError):
 
 
 def check_family(
-    path, found: str | None, expected: str | None, what: str = "", expected_text: str = ""
+    path,
+    found: str | None,
+    expected: str | None,
+    what: str = "",
+    expected_text: str = "",
+    hint: str = "",
 ) -> None:
     """Refuse (WrongFileError, one line naming both) a file whose family (`ldm.layout.family`)
     is known and is not the model's: an SDXL file for an SD 1.x config, a VAE or LoRA file given
@@ -73,7 +78,7 @@ def check_family(
         return
     name = f"{what} {path}" if what else str(path)
     expected_text = expected_text or f"{family.a(expected)} checkpoint, as the config's model is"
-    hint = family.USE.get(found) or f"give the config of {family.a(found)} model"
+    hint = hint or family.USE.get(found) or f"give the config of {family.a(found)} model"
     raise WrongFileError(
         f"{name} is {family.describe(path, found)}, expected {expected_text}; {hint}"
     )

@@ -151,7 +151,8 @@ def check_lora_files(files: list[tuple[Path, float]]) -> None:
     for path, _ in files:
         found = family.file_family(path)
         if found != family.LORA:
-            checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file")
+            hint = "a model goes to --ckpt (with its --config)"
+            checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
 
 
 def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:

@@ -77,14 +77,6 @@ def check_inputs(args) -> list:
     from lun.eval.features import check_features_file
     from lun.generation import check_model_file
 
-    for ckpt in args.ckpts:  # first: a wrong checkpoint is the likeliest mistake
-        if not Path(ckpt).exists():
-            raise FileNotFoundError(f"checkpoint not found: {ckpt}")
-    expected = None
-    if args.base:
-        expected = checkpoint.config_family(to_container(merge_configs(args.base))["model"])
-    for ckpt in args.ckpts:
-        check_model_file(ckpt, expected, "ckpt", args.unsafe_load)
     inputs = read_prompt_file(args.prompts) if args.prompts else list(args.classes)
     check_features_file(args.features, "--features")
     if args.clip is not None:
@@ -93,6 +85,14 @@ def check_inputs(args) -> list:
             raise ValueError("--clip: the CLIP score needs --prompts, not --classes")
     if not Path(args.reference).is_dir():
         raise ValueError(f"--reference={args.reference}: no such folder of real images")
+    for ckpt in args.ckpts:
+        if not Path(ckpt).exists():
+            raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    expected = None
+    if args.base:  # the family of the model the config builds (on the meta device)
+        expected = checkpoint.config_family(to_container(merge_configs(args.base))["model"])
+    for ckpt in args.ckpts:  # each file's family, from its keys
+        check_model_file(ckpt, expected, "ckpt", args.unsafe_load)
     if args.num_images < 2:
         raise ValueError(f"--num-images={args.num_images}: FID needs at least 2 images")
     return inputs

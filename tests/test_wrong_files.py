@@ -21,6 +21,7 @@ import swap_vae
 import torch
 import txt2img
 import yaml
+from eval_helpers import make_small_features
 from lora_helpers import build, randomize_adapters
 from PIL import Image
 from run_helpers import ROOT, run_main_here
@@ -235,7 +236,7 @@ def test_class_names_of_the_training_folders_draw_their_classes(files, tmp_path,
 def file_cases(files, tmp_path):
     """(main, argv, words) for the other scripts."""
     out = tmp_path / "out.safetensors"
-    features = tmp_path / "features.safetensors"
+    features = make_small_features(tmp_path / "features.safetensors", size=16)
     return {
         "convert-lora": (convert.main, [files["lora"], out], ["is a LoRA file", "a model"]),
         "convert-sdxl-for-sd1": (
