@@ -6,6 +6,7 @@ import torch only after their arguments are parsed, so `--help` answers at once.
 """
 
 import argparse
+import copy
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -13,12 +14,21 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        default = action.default  # `is`: 0 and 0.0 are defaults worth showing, False is not
-        shown = not (default is None or default is False or default is argparse.SUPPRESS)
-        shown = shown and default != []
-        if shown and action.option_strings and "default" not in text:
+        if _shows_default(action) and "default" not in text:
             text += (" " if text else "") + "(default: %(default)s)"
         return text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):  # argparse skips the help of those
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default  # `is`: 0 and 0.0 are defaults worth showing, False is not
+    hidden = default is None or default is False or default is argparse.SUPPRESS
+    return bool(action.option_strings) and not hidden and default != []
 
 
 def old_spelling(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:

@@ -78,6 +78,15 @@ def test_help_shows_every_default():
         entry = text.split(f"{flag} {flag[2:].upper()} ", 1)[1].split(" --", 1)[0]
         assert f"(default: {default})" in entry, (flag, entry)
     assert "(default: outputs/txt2img-samples)" in text
+    # An option with no help text of its own still says its default (many benchmark flags).
+    bare = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    bare.add_argument("--warmup", type=int, default=2)
+    bare.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    bare.add_argument("--verbose", action="store_true")
+    text = " ".join(bare.format_help().split())
+    assert "--warmup WARMUP (default: 2)" in text
+    assert "(default: [0, 2])" in text
+    assert "--verbose (default" not in text
     assert "(default: False)" not in text  # switches are off unless given: nothing to say
 
 
