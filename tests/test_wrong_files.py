@@ -131,6 +131,18 @@ def files(tmp_path_factory, tiny_config, shape_classes_dir):
     kohya = {k: v.contiguous() for k, v in lora.kohya_state_dict(with_adapters).items()}
     save_file(kohya, out / "style.safetensors")
     found["lora"] = out / "style.safetensors"
+    # diffusers folders, refused by their pipeline class (diffusers' names) before any loading:
+    # SDXL's, and SD 2.x's (StableDiffusionPipeline with OpenCLIP's `gelu` text encoder).
+    for name, pipeline, act in [
+        ("sdxl_folder", "StableDiffusionXLPipeline", "quick_gelu"),
+        ("sd2_folder", "StableDiffusionPipeline", "gelu"),
+    ]:
+        (out / name / "text_encoder").mkdir(parents=True)
+        (out / name / "unet").mkdir()
+        (out / name / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+        config = {"architectures": ["CLIPTextModel"], "hidden_act": act}
+        (out / name / "text_encoder" / "config.json").write_text(json.dumps(config))
+        found[name] = out / name
     Image.new("RGB", (32, 32), "white").save(out / "init.png")
     found["init"] = out / "init.png"
     return found
@@ -166,6 +178,8 @@ MODEL_CASES = [
     (txt2img, "sd1_config", "lora", "is a LoRA file", "an SD 1.x"),
     (txt2img, "sdxl_config", "sd1", "is an SD 1.x checkpoint", "an SDXL"),
     (txt2img, "dit_config", "sdxl", "is an SDXL checkpoint", "a DiT"),
+    (txt2img, "sd1_config", "sdxl_folder", "is a diffusers folder (SDXL)", "an SD 1.x"),
+    (txt2img, "sd1_config", "sd2_folder", "is a diffusers folder (SD 2.x)", "an SD 1.x"),
     (img2img, "sd1_config", "sdxl", "is an SDXL checkpoint", "an SD 1.x"),
     (img2img, "sd1_config", "vae_run", "is a VAE checkpoint", "an SD 1.x"),
 ]
