@@ -22,7 +22,7 @@ from ldm.diffusers_layout import is_diffusers_folder
 from ldm.layout import family
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
-from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (their home)
+from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
 from lun.images import make_grid
 from lun.lora_use import apply_loras, infotext_fields, parse_specs, tagged_prompt
 
