@@ -110,7 +110,9 @@ def config_family(model_config: Mapping) -> str | None:
 CONFIG_FILES = ("ckpt_path", "first_stage_config.params.ckpt_path")
 
 
-def check_config_files(model_config: Mapping, resume=None, unsafe: bool = False) -> None:
+def check_config_files(
+    model_config: Mapping, resume=None, unsafe: bool = False, resume_flag: str = "--resume"
+) -> None:
     """The weights files a model config names (and `--resume`'s checkpoint), before anything
     is built: one that is not there, or of another family than the config's model, is a
     WrongFileError naming the key (a mistyped `model.params.ckpt_path` would otherwise end in a
@@ -122,14 +124,14 @@ def check_config_files(model_config: Mapping, resume=None, unsafe: bool = False)
         if value and not Path(value).exists():
             raise WrongFileError(f"model.params.{key}: {value}: no such file")
     named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
-    named["--resume"] = resume
+    named[resume_flag] = resume
     named = {what: path for what, path in named.items() if path}
     if not named:
         return
     expected = config_family(model_config)
     for what, path in named.items():
         found = family.file_family(path, unsafe)
-        if expected == family.VAE and found != family.LORA and what != "--resume":
+        if expected == family.VAE and found != family.LORA and what != resume_flag:
             continue  # a VAE run starts from a VAE or from any model's first_stage_model.*
         check_family(path, found, expected, what)
 
