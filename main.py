@@ -208,6 +208,13 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     as_written = copy.deepcopy(cfg)
     check_complete(cfg)
     config = to_container(cfg)
+    from ldm.checkpoint import check_config_files
+
+    try:  # a mistyped ckpt_path, another family's file: one line, before anything is built
+        flag = "--resume" if opt.resume or legacy else "--validate-only"
+        check_config_files(config["model"], ckpt_path, opt.unsafe_load, flag)
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     lightning_cfg = config.get("lightning") or {}
     model_params = config["model"].setdefault("params", {})
 

@@ -36,7 +36,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ldm.layout import diffusers_vae
+from ldm.layout import diffusers_vae, family
 
 CLIP_PREFIX = "cond_stage_model.transformer."
 # SDXL (sgm): its CLIP ViT-L is embedder 0, and sgm-trained files may add the constant
@@ -57,6 +57,83 @@ SHARDED_MODULE_KEY = "model"
 LORA_PREFIX = "lora."
 PEFT_BASE_LEVEL = "base_layer."
 PEFT_ADAPTER_LEVEL = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector)\.[^.]+\.")
+
+
+class WrongFileError(ValueError):
+    """A weights file of another family or kind than the model's (`check_family`)."""
+
+
+def check_family(
+    path,
+    found: str | None,
+    expected: str | None,
+    what: str = "",
+    expected_text: str = "",
+    hint: str = "",
+) -> None:
+    """Refuse (WrongFileError, one line naming both) a file whose family (`ldm.layout.family`)
+    is known and is not the model's: an SDXL file for an SD 1.x config, a VAE or LoRA file given
+    as a model. Unknown families pass: strict loading names what does not match."""
+    if found is None or expected is None or found == expected:
+        return
+    name = f"{what} {path}" if what else str(path)
+    expected_text = expected_text or f"{family.a(expected)} checkpoint, as the config's model is"
+    hint = hint or family.USE.get(found) or f"give the config of {family.a(found)} model"
+    raise WrongFileError(
+        f"{name} is {family.describe(path, found)}, expected {expected_text}; {hint}"
+    )
+
+
+def model_family_of(model: torch.nn.Module) -> str | None:
+    """The family of a built model, by its own checkpoint keys."""
+    return family.model_family(model.state_dict().keys())
+
+
+def config_family(model_config: Mapping) -> str | None:
+    """The family of the model a config builds: built on the meta device (names and shapes, no
+    memory, no weights loaded), its keys asked."""
+    import copy
+
+    from ldm.util import instantiate_from_config
+
+    model_config = copy.deepcopy(dict(model_config))
+    model_config["params"] = {**(model_config.get("params") or {}), "ckpt_path": None}
+    try:
+        with torch.device("meta"):
+            model = instantiate_from_config(model_config)
+    except Exception:  # noqa: BLE001 - a part that reads files or data as it is built
+        return None  # unknown: the strict load that follows names any mismatch
+    return model_family_of(model)
+
+
+# The weights files a model config may name (model.params...), checked before anything is built.
+CONFIG_FILES = ("ckpt_path", "first_stage_config.params.ckpt_path")
+
+
+def check_config_files(
+    model_config: Mapping, resume=None, unsafe: bool = False, resume_flag: str = "--resume"
+) -> None:
+    """The weights files a model config names (and `--resume`'s checkpoint), before anything
+    is built: one that is not there, or of another family than the config's model, is a
+    WrongFileError naming the key (a mistyped `model.params.ckpt_path` would otherwise end in a
+    traceback after building, an SDXL file for an SD config in a size-mismatch dump)."""
+    for key in CONFIG_FILES:
+        value = model_config.get("params") or {}
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value and not Path(value).exists():
+            raise WrongFileError(f"model.params.{key}: {value}: no such file")
+    named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
+    named[resume_flag] = resume
+    named = {what: path for what, path in named.items() if path}
+    if not named:
+        return
+    expected = config_family(model_config)
+    for what, path in named.items():
+        found = family.file_family(path, unsafe)
+        if expected == family.VAE and found != family.LORA and what != resume_flag:
+            continue  # a VAE run starts from a VAE or from any model's first_stage_model.*
+        check_family(path, found, expected, what)
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -440,23 +517,29 @@ def load_weights(
     strict: bool = True,
     unsafe: bool = False,
     contents: Mapping | None = None,
+    what: str = "",
 ) -> dict:
     """Load a checkpoint (ours or an original SD one) into a `LatentDiffusion`, strictly.
 
     Args:
         ema: True: use the EMA shadows (error if absent); None: use them when present; False: never.
         contents: the file's contents when already read (e.g. a merged DeepSpeed folder).
+        what: how the user named the file (`--ckpt`, `model.params.ckpt_path`), for messages.
+    A file of another family (`ldm.layout.family`) is refused before loading (WrongFileError).
     `path` may also be a diffusers folder, read in the original layout (`ldm.diffusers_layout`).
     Returns the checkpoint's state dict as loaded (for hashing or inspection).
     """
     from ldm import diffusers_layout  # it builds on this module
 
+    expected = model_family_of(model)
     if contents is not None:
         pass
     elif diffusers_layout.is_diffusers_folder(path):
+        check_family(path, family.diffusers_family(path), expected, what)
         contents = diffusers_layout.load_folder(model, path, unsafe=unsafe)
     else:
         contents = load_file_state(path, unsafe=unsafe)
+    check_family(path, family.model_family(file_state_keys(contents)), expected, what)
     bare = bare_backbone_state(contents, model.backbone, ema)
     if bare is not None:
         result = model.backbone.load_state_dict(bare, strict=False)
@@ -487,6 +570,13 @@ def load_weights(
     if strict and (missing or result.unexpected_keys):
         raise KeyError(mismatch_message(path, missing, result.unexpected_keys))
     return state
+
+
+def file_state_keys(contents: Mapping) -> list[str]:
+    """The tensor names of a file's contents (a DiT `train.py` checkpoint: its `ema` entry's)."""
+    if isinstance(contents.get("ema"), Mapping) and isinstance(contents.get("model"), Mapping):
+        contents = contents["ema"]
+    return list(state_dict_of(contents))
 
 
 def bare_backbone_state(
@@ -548,13 +638,19 @@ def dit_to_diffusers(state: Mapping) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_first_stage(vae: torch.nn.Module, path: str | Path, ignore_keys=()) -> None:
+def load_first_stage(
+    vae: torch.nn.Module, path: str | Path, ignore_keys=(), what: str = ""
+) -> None:
     """Load a VAE's weights (strict) from a VAE file or a full SD checkpoint (`first_stage_model.*`).
 
     Files of the original VAE training also carry `loss.*` (LPIPS, discriminator) and EMA keys;
     only the VAE's own names are taken, and every one of them must be there.
     """
     state = state_dict_of(load_file_state(path))
+    found = family.model_family(state)
+    if found != family.VAE and not any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
+        expected = "a VAE, or a model checkpoint holding one (first_stage_model.*)"
+        check_family(path, found, family.VAE, what, expected_text=expected)
     if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
         state = {
             k.removeprefix(FIRST_STAGE_PREFIX): v

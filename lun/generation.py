@@ -4,7 +4,6 @@ Each PNG carries its generation parameters in a `parameters` text chunk, in the 
 AUTOMATIC1111 writes (and ComfyUI / other viewers read).
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -20,96 +19,14 @@ from PIL.PngImagePlugin import PngInfo
 
 from ldm import checkpoint
 from ldm.diffusers_layout import is_diffusers_folder
+from ldm.layout import family
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
+from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
 from lun.images import make_grid
 from lun.lora_use import apply_loras, infotext_fields, parse_specs, tagged_prompt
 
-SAMPLER_NAMES = {
-    "ddim": "DDIM",
-    "plms": "PLMS",
-    "euler": "Euler",
-    "euler_a": "Euler a",
-    "heun": "Heun",
-    "dpmpp_2m": "DPM++ 2M",
-    "ddpm_learned": "DDPM",  # learned variances (DiT learn_sigma models)
-}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def add_generation_args(parser: argparse.ArgumentParser) -> None:
-    """The flags txt2img and img2img share (names as in the original SD scripts)."""
-    parser.add_argument("--prompt", default="a painting of a virus monster playing guitar")
-    parser.add_argument("--from-file", help="one prompt per line (overrides --prompt)")
-    parser.add_argument(
-        "--class",
-        dest="classes",
-        type=int,
-        nargs="+",
-        help="class ids to draw instead of prompts, for a class-conditional model (DiT; "
-        "ImageNet: 207 = golden retriever); guidance is against the null class",
-    )
-    parser.add_argument("--negative-prompt", default="", help="what the image should not show")
-    parser.add_argument("--outdir", default="outputs/txt2img-samples")
-    parser.add_argument("--steps", "--ddim_steps", dest="steps", type=int, default=50)
-    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim")
-    parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
-    parser.add_argument("--eta", "--ddim_eta", dest="eta", type=float, default=0.0, help="DDIM eta")
-    parser.add_argument("--scale", type=float, default=7.5, help="classifier-free guidance scale")
-    parser.add_argument(
-        "--n_samples", type=int, default=1, help="images per prompt per iteration (batch)"
-    )
-    parser.add_argument("--n_iter", type=int, default=1, help="iterations")
-    parser.add_argument(
-        "--H", type=int, default=None, help="height in pixels (default: the model's)"
-    )
-    parser.add_argument(
-        "--W", type=int, default=None, help="width in pixels (default: the model's)"
-    )
-    parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
-    parser.add_argument(
-        "--fixed_code", action="store_true", help="same starting noise in every iteration"
-    )
-    parser.add_argument("--config", help="model config (default: the run folder's saved config)")
-    parser.add_argument(
-        "--ckpt",
-        required=True,
-        help=".ckpt or .safetensors (ours or an original SD one), or a diffusers folder",
-    )
-    parser.add_argument("--precision", choices=["full", "autocast"], default="full")
-    parser.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default="bf16",
-        help="autocast dtype with --precision autocast",
-    )
-    parser.add_argument(
-        "--ema",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="use EMA weights (default: when the checkpoint has them)",
-    )
-    parser.add_argument(
-        "--vae",
-        help="VAE file replacing the checkpoint's first stage: one trained here (a run's .ckpt or "
-        "swap_vae.py's file), an original SD VAE .ckpt/.safetensors or a diffusers AutoencoderKL "
-        ".safetensors",
-    )
-    parser.add_argument("--skip_grid", action="store_true")
-    parser.add_argument("--device", default=None, help="default: cuda, else mps, else cpu")
-    parser.add_argument(
-        "--unsafe-load",
-        action="store_true",
-        help="allow pickled code in a .ckpt (only for files you trust)",
-    )
-    parser.add_argument(
-        "--lora",
-        action="append",
-        default=[],
-        metavar="FILE[:WEIGHT]",
-        help="merge a LoRA / LoCon / DoRA file (kohya or diffusers format) at WEIGHT (default "
-        "1) before sampling; repeatable",
-    )
 
 
 class ScriptError(SystemExit):
@@ -191,23 +108,111 @@ def load_model(args) -> torch.nn.Module:
     ckpt = Path(args.ckpt)
     folder = is_diffusers_folder(ckpt)  # converted to the original layout on load
     if not (ckpt.is_file() or folder):
-        raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+        raise FileNotFoundError(f"--ckpt {ckpt}: no such file or diffusers folder")
+    if getattr(args, "vae", None) and not Path(args.vae).is_file():
+        raise FileNotFoundError(f"--vae {args.vae}: no such file")
     if folder and not args.config:
         raise ValueError(f"{ckpt}: a diffusers folder needs --config (the model's YAML)")
-    configs = args.config if isinstance(args.config, list) else [args.config]  # or several
-    cfg = merge_configs(configs if args.config else find_config(ckpt))
+    cfg = model_config(args)
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)
+    expected = checkpoint.config_family(to_container(cfg.model))  # built on the meta device
+    check_model_file(ckpt, expected, "--ckpt", args.unsafe_load)
     model = instantiate_from_config(to_container(cfg.model))
-    checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load)
+    checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load, what="--ckpt")
     if getattr(args, "vae", None):
         load_vae(model, args.vae)
     return model.eval().to(pick_device(args.device))
 
 
+def check_model_file(path, expected: str | None, what: str, unsafe: bool = False) -> None:
+    """A diffusion model's file, of the `expected` family when known, read from its keys before
+    anything is built: a VAE, a LoRA file or another family's checkpoint is one line."""
+    found = family.file_family(path, unsafe)
+    if expected is None and found in (family.VAE, family.LORA):
+        expected_text = "a diffusion model checkpoint"
+        checkpoint.check_family(path, found, "model", what, expected_text)
+    checkpoint.check_family(path, found, expected, what)
+
+
+def model_config(args):
+    """The merged config of `--config` (one or several files), else of the run folder."""
+    configs = args.config if isinstance(args.config, list) else [args.config]
+    return merge_configs(configs if args.config else find_config(Path(args.ckpt)))
+
+
 def load_vae(model: torch.nn.Module, path: str) -> None:
     """Replace the model's first stage with the VAE in `path` (strict: every weight, same shapes)."""
-    checkpoint.load_first_stage(model.first_stage_model, path)
+    checkpoint.load_first_stage(model.first_stage_model, path, what="--vae")
+
+
+def check_lora_files(files: list[tuple[Path, float]]) -> None:
+    """Every `--lora` file holds adapters only (not a model, a VAE...): read from its keys."""
+    for path, _ in files:
+        found = family.file_family(path)
+        if found != family.LORA:
+            hint = "a model goes to --ckpt (with its --config)"
+            checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
+
+
+def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:
+    """LoRA files name the UNet's and text encoders' layers (kohya / diffusers): other
+    backbones (DiT) have none of them."""
+    found = checkpoint.model_family_of(model)
+    if files and found not in (family.SD1, family.SD2, family.SDXL):
+        raise checkpoint.WrongFileError(
+            f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x and SDXL models; this "
+            f"model is {family.a(found) if found else 'another architecture'}, which has no "
+            "layers of those names"
+        )
+
+
+def check_conditioning(model: torch.nn.Module, args) -> None:
+    """A class model draws `--class`, a text model `--prompt`: the other is one line."""
+    classes = model.conditioner.input_key == "label"
+    if classes and not getattr(args, "classes", None):
+        raise ValueError(
+            f"this model draws classes ({model.conditioner.num_classes} of them), not prompts: "
+            "give --class ID or --class NAME instead of --prompt / --from-file"
+        )
+    if not classes and getattr(args, "classes", None):
+        raise ValueError("--class: this model is text-conditional; give --prompt instead")
+
+
+def class_names(args) -> list[str]:
+    """The class names of the model's training data (`lun.data.class_folder`): its folders'
+    names, or its `idx_to_prompt`, when the config names a class-folder dataset."""
+    from lun.data.class_folder import load_class_names
+
+    data = model_config(args).get("data") or {}
+    params = ((data.get("params") or {}).get("train") or {}).get("params") or {}
+    root = params.get("data_root")
+    if not isinstance(root, str) or not os.path.isdir(root):
+        return []
+    folders = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name[0] == ".")
+    return load_class_names(params.get("idx_to_prompt"), folders)
+
+
+def class_ids(args, num_classes: int) -> list[int]:
+    """`--class` values as ids: numbers, or names of the training data's classes."""
+    names = None
+    ids = []
+    for value in args.classes:
+        if str(value).lstrip("-").isdigit():
+            ids.append(int(value))
+            continue
+        names = class_names(args) if names is None else names
+        if value not in names:
+            known = f"one of {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}"
+            raise ValueError(
+                f"--class {value}: not a class id or name"
+                + (f" ({known})" if names else " (the config names no class folders: give ids)")
+            )
+        ids.append(names.index(value))
+    for value in ids:
+        if not 0 <= value < num_classes:
+            raise ValueError(f"--class {value}: this model has classes 0..{num_classes - 1}")
+    return ids
 
 
 def vae_parameters(args) -> dict[str, str]:
@@ -218,10 +223,10 @@ def vae_parameters(args) -> dict[str, str]:
     return {"VAE hash": checkpoint.file_hash(args.vae), "VAE": Path(args.vae).name}
 
 
-def read_prompts(args) -> list[str | int]:
+def read_prompts(args, num_classes: int | None = None) -> list[str | int]:
     """The prompts to draw, or the class ids of `--class`."""
     if getattr(args, "classes", None):
-        return list(args.classes)
+        return class_ids(args, num_classes) if num_classes else [int(c) for c in args.classes]
     if args.from_file:
         return [
             line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()
@@ -292,7 +297,11 @@ def generate(
 ) -> list[Path]:
     """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
     lora_files = parse_specs(getattr(args, "lora", []))  # checked before the model loads
+    check_lora_files(lora_files)
     model = load_model(args)
+    check_conditioning(model, args)
+    check_lora_target(model, lora_files)
+    prompts = read_prompts(args, getattr(model.conditioner, "num_classes", None))
     loras = apply_loras(model, lora_files)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
@@ -314,7 +323,7 @@ def generate(
         else contextlib.nullcontext()
     )
     written, all_images = [], []
-    for prompt in read_prompts(args):
+    for prompt in prompts:
         for iteration in range(args.n_iter):
             first = args.seed + (0 if args.fixed_code else iteration * args.n_samples)
             seeds = list(range(first, first + args.n_samples))

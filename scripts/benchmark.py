@@ -45,6 +45,14 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
 import argparse
 import copy
 import json
@@ -55,14 +63,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import torch
-import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
-
-from ldm import checkpoint
-from ldm.optim import build_optimizer
-from ldm.util import instantiate_from_config
 
 BATCH, LATENT, CONTEXT = 4, 32, (77, 768)
 UNET_PARAMS = {  # SD v1 structure, width 128 instead of 320
@@ -78,7 +78,7 @@ UNET_PARAMS = {  # SD v1 structure, width 128 instead of 320
     "context_dim": 768,
     "legacy": False,
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16"}  # torch dtype names: torch is imported late
 
 
 def original_config(unet_params: dict) -> dict:
@@ -131,11 +131,15 @@ def build_unets(device, gradient_checkpointing=False, trained_like=False):
     """Our UNet and diffusers' UNet2DConditionModel with the same weights; `trained_like`: every
     weight moved by seeded noise, so the zero-initialised output layers do not zero the gradients
     that reach a frozen base's adapters."""
+    import torch
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import (
         convert_ldm_unet_checkpoint,
         create_unet_diffusers_config_from_ldm,
     )
+
+    from ldm import checkpoint
+    from ldm.util import instantiate_from_config
 
     torch.manual_seed(0)
     ours = instantiate_from_config({"target": "ldm.unet.UNetModel", "params": UNET_PARAMS})
@@ -156,6 +160,8 @@ def build_unets(device, gradient_checkpointing=False, trained_like=False):
 
 
 def inputs(device):
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g)
     t = torch.randint(0, 1000, (BATCH,), generator=g)
@@ -171,6 +177,9 @@ def forward(model, x, t, context):
 
 
 def train_step(model, optimizer, batch, dtype):
+    import torch
+    import torch.nn.functional as F
+
     x, t, context, target = batch
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = F.mse_loss(forward(model, x, t, context).float(), target)
@@ -180,6 +189,8 @@ def train_step(model, optimizer, batch, dtype):
 
 
 def synchronize(device):
+    import torch
+
     if device.type == "cuda":
         torch.cuda.synchronize()
 
@@ -190,12 +201,17 @@ def median_seconds(fn, device, steps, warmup) -> float:
 
 def matmul_peak(device, dtype, n=2048, reps=10) -> float:
     """FLOP/s of a large square matmul: the machine's practical peak at this dtype."""
+    import torch
+
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = median_seconds(lambda: a @ b, device, reps, 2)
     return 2 * n**3 / seconds
 
 
 def step_flops(model, batch) -> int:
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
     x, t, context, target = batch
     with FlopCounterMode(display=False) as counter:
         F.mse_loss(forward(model, x, t, context).float(), target).backward()
@@ -206,6 +222,10 @@ def step_flops(model, batch) -> int:
 def default_optimizer(which: str, model) -> torch.optim.Optimizer:
     """Each side's default: ours is what LatentDiffusion.configure_optimizers builds (fused
     AdamW); diffusers' training examples use torch.optim.AdamW as it comes."""
+    import torch
+
+    from ldm.optim import build_optimizer
+
     if which == "ours":
         return build_optimizer(model.parameters(), lr=1e-5)
     return torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -239,7 +259,7 @@ def train_section(args, device) -> list[str]:
         "ours": default_optimizer("ours", ours),
     }
     for name in args.dtypes:
-        dtype = DTYPES[name]
+        dtype = getattr(torch, DTYPES[name])
         peak = matmul_peak(device, dtype)
         steps = {
             label: lambda m=model, o=optimizers[label], d=dtype: train_step(m, o, batch, d)
@@ -264,6 +284,8 @@ def memory_child(which: str, checkpointing: bool, device) -> None:
     (which every step allocates alike). On CPU the parent sets a fixed malloc mmap threshold so
     that freed tensors leave the resident set and RSS follows the live tensors.
     """
+    import torch
+
     ours, theirs = build_unets(device, gradient_checkpointing=checkpointing)
     model = ours if which == "ours" else theirs
     del ours, theirs
@@ -325,7 +347,10 @@ def memory_section(args, device) -> list[str]:
 
 
 def sampling_section(args, device) -> list[str]:
+    import torch
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
+
+    from ldm.util import instantiate_from_config
 
     sys.path.insert(0, str(Path(__file__).parent))
     from convert import export_diffusers
@@ -383,6 +408,8 @@ def cpu_has_bf16() -> bool:
 
 
 def data_section(args) -> list[str]:
+    import torch
+
     sys.path.insert(0, str(Path(__file__).parent))
     from benchmark_data import loader_table
 
@@ -397,15 +424,16 @@ def data_section(args) -> list[str]:
 SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl", "loop"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+def main(argv=None) -> None:
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "--only",
         nargs="+",
         choices=SECTIONS,
         default=SECTIONS,
+        help="sections to run (scripts/benchmark_<section>.py runs one alone)",
     )
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
     parser.add_argument(
@@ -415,8 +443,8 @@ def main() -> None:
         default=list(DTYPES),
         help="train section dtypes (bf16 is ~20x slower than fp32 on CPUs without AVX512-bf16)",
     )
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--sample-runs", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--sample-runs", type=int, default=2, help="sampling section: runs")
     parser.add_argument(
         "--cpu-seconds",
         action="store_true",
@@ -428,7 +456,9 @@ def main() -> None:
     parser.add_argument(
         "--lora-memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    import torch  # after parsing: --help answers at once
+
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.memory_child:
         memory_child(args.memory_child, args.checkpointing, device)

@@ -18,6 +18,8 @@
 Figures from a shared machine are noisy: the ratios, measured in one run, are what to read.
 """
 
+from __future__ import annotations
+
 import argparse
 import re
 import subprocess
@@ -26,19 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
 import yaml
-from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 from benchmark import BATCH, UNET_PARAMS, alternated_median_seconds  # noqa: E402
 from benchmark_data import PlainPipeline, make_sources  # noqa: E402
-
-from ldm.optim import build_optimizer  # noqa: E402
-from ldm.text_encoder import CLIP_VIT_L14_TEXT_CONFIG  # noqa: E402
-from ldm.util import instantiate_from_config  # noqa: E402
 
 IMAGE = 256  # px (32x32 latents); --image changes it
 SD_VAE = {  # the SD v1/v2 first stage, full width
@@ -59,7 +55,11 @@ SD_VAE = {  # the SD v1/v2 first stage, full width
 SD_UNET = {**UNET_PARAMS, "model_channels": 320}
 
 
-def model_config(unet: dict, text: dict = CLIP_VIT_L14_TEXT_CONFIG) -> dict:
+def model_config(unet: dict, text: dict | None = None) -> dict:
+    """A LatentDiffusion config: `unet`, SD's VAE, and `text` (default: SD's CLIP ViT-L/14)."""
+    from ldm.text_encoder import CLIP_VIT_L14_TEXT_CONFIG
+
+    text = text or CLIP_VIT_L14_TEXT_CONFIG
     return {
         "target": "ldm.diffusion.LatentDiffusion",
         "params": {
@@ -75,6 +75,8 @@ def model_config(unet: dict, text: dict = CLIP_VIT_L14_TEXT_CONFIG) -> dict:
 
 
 def batches(model, image: int) -> dict:
+    import torch
+
     g = torch.Generator().manual_seed(0)
     images = torch.rand(BATCH, 3, image, image, generator=g) * 2 - 1
     captions = [f"a photo number {i} of a red circle" for i in range(BATCH)]
@@ -90,6 +92,11 @@ def batches(model, image: int) -> dict:
 
 
 def step_section(args) -> list[str]:
+    import torch
+
+    from ldm.optim import build_optimizer
+    from ldm.util import instantiate_from_config
+
     torch.manual_seed(0)
     model = instantiate_from_config(model_config(UNET_PARAMS)).train()
     optimizer = build_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-5)
@@ -120,6 +127,8 @@ def step_section(args) -> list[str]:
 def cpu_seconds(steps: dict, repeats: int, warmup: int) -> dict:
     """Median CPU seconds of each step on one thread, taking turns: on a machine shared with
     other jobs the CPU time a step needs is steadier than its wall clock."""
+    import torch
+
     torch.set_num_threads(1)
     times = {label: [] for label in steps}
     for repeat in range(warmup + repeats):
@@ -141,6 +150,11 @@ def part_flops(unet: dict, image: int) -> dict[str, float]:
 
 
 def _count(unet: dict, image: int) -> dict[str, float]:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ldm.util import instantiate_from_config
+
     model = instantiate_from_config(model_config(unet))
     side = image // 8
     x = torch.empty(1, 3, image, image)
@@ -193,6 +207,7 @@ def cache_seconds(log: str) -> tuple[int, float]:
 
 def diffusers_loop(root: Path, size: int, batch_size: int) -> float:
     """img/s of the usual loop: PIL pipeline + diffusers' AutoencoderKL.encode, one process."""
+    import torch
     from diffusers import AutoencoderKL
 
     torch.manual_seed(0)
@@ -216,6 +231,8 @@ def diffusers_loop(root: Path, size: int, batch_size: int) -> float:
 
 
 def build_section(args) -> list[str]:
+    from ldm.text_encoder import CLIP_VIT_L14_TEXT_CONFIG
+
     rows = [
         f"| cache build, {args.images} JPEGs 1024 px -> {args.image} px, SD VAE | img/s | vs diffusers loop |",
         "|---|---|---|",
@@ -260,9 +277,9 @@ def build_section(args) -> list[str]:
 
 
 def main(argv=None) -> list[str]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--only", nargs="+", choices=["step", "build"], default=["step", "build"])
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -274,6 +291,7 @@ def main(argv=None) -> list[str]:
         help="step: CPU seconds on one thread instead of the wall clock (a busy machine)",
     )
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help answers at once
 
     print(f"cpu, torch {torch.__version__}, threads {torch.get_num_threads()}", flush=True)
     tables = []

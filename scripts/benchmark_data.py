@@ -17,6 +17,8 @@ Last, a few training steps of the demo model (configs/tiny/ldm.yaml on generated
 the share of step time spent waiting for data. Prints markdown tables (for the README).
 """
 
+from __future__ import annotations
+
 import argparse
 import math
 import sys
@@ -25,19 +27,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from lun.data.local import Local  # noqa: E402
-
 
 def make_sources(folder: Path, count: int, side: int, seed: int = 0) -> Path:
     """`count` photo-like JPEGs (smooth colour fields, edges, a little grain) of side x side."""
+    from PIL import Image
+
     rng = np.random.default_rng(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     for i in range(count):
@@ -55,7 +54,7 @@ def make_sources(folder: Path, count: int, side: int, seed: int = 0) -> Path:
     return folder
 
 
-class PlainPipeline(Dataset):
+class PlainPipeline:  # a map-style dataset: __len__ and __getitem__ are all DataLoader needs
     """The usual loader: open, convert, resize short side, center crop, to tensor."""
 
     def __init__(self, root: Path, size: int):
@@ -66,6 +65,9 @@ class PlainPipeline(Dataset):
         return len(self.paths)
 
     def __getitem__(self, index: int) -> dict:
+        import torch
+        from PIL import Image
+
         path = self.paths[index]
         image = Image.open(path).convert("RGB")
         scale = self.size / min(image.size)
@@ -80,8 +82,10 @@ class PlainPipeline(Dataset):
         return {"image": pixels, "caption": path.with_suffix(".txt").read_text()}
 
 
-def images_per_second(dataset: Dataset, workers: int, batch_size: int = 8) -> float:
+def images_per_second(dataset, workers: int, batch_size: int = 8) -> float:
     """Throughput after the first batch (worker start-up is not the loader's speed)."""
+    from torch.utils.data import DataLoader
+
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=workers, shuffle=False)
     iterator = iter(loader)
     next(iterator)
@@ -92,6 +96,8 @@ def images_per_second(dataset: Dataset, workers: int, batch_size: int = 8) -> fl
 
 
 def loader_table(args, tmp: Path) -> list[str]:
+    from lun.data.local import Local
+
     rows = [
         "| source | workers | plain PIL img/s | lun.data img/s | ratio | lun.data img/s per "
         f"worker | workers for {args.gpu_rate:g} img/s |",
@@ -179,9 +185,9 @@ def demo_table(args, tmp: Path) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--n", type=int, default=96, help="source images per size")
     parser.add_argument(
         "--sizes", type=int, nargs="+", default=[512, 1024], help="source sides (px)"
@@ -194,6 +200,8 @@ def main() -> None:
     parser.add_argument("--demo-steps", type=int, default=20, help="0 skips the demo measurement")
     parser.add_argument("--demo-workers", type=int, nargs="+", default=[0, 2])
     args = parser.parse_args()
+    import torch  # after parsing: --help answers at once
+
     torch.set_num_threads(1)  # one core per loader process, as in a real multi-worker run
     with tempfile.TemporaryDirectory() as tmp:
         tables = [loader_table(args, Path(tmp))]

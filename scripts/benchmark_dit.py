@@ -13,16 +13,12 @@ neither always runs right after the other.
 several-fold with the load, the CPU time it needs much less.
 """
 
+from __future__ import annotations
+
 import statistics
 import time
 
-import torch
-import torch.nn.functional as F
 from benchmark import DTYPES, LATENT, cpu_has_bf16, synchronize
-from torch.utils.flop_counter import FlopCounterMode
-
-from ldm import checkpoint
-from ldm.optim import build_optimizer
 
 # DiT rows: (preset, batch, latent side). DiT-B/2 does 4x DiT-S/2's work per token; on a CPU
 # it runs at batch 2 on 16x16 latents (64 tokens, 128 px images) so the section ends in minutes.
@@ -32,9 +28,10 @@ DIT_ROWS["cpu"] = [("DiT_S_2", 4, 32), ("DiT_B_2", 2, 16)]
 
 def build_dits(preset: str, device, latent: int = LATENT):
     """Our DiT preset and diffusers' DiTTransformer2DModel of the same size and weights."""
+    import torch
     from diffusers import DiTTransformer2DModel
 
-    from ldm import dit
+    from ldm import checkpoint, dit
 
     torch.manual_seed(0)
     ours = getattr(dit, preset)(input_size=latent, num_classes=1000)
@@ -57,6 +54,9 @@ def build_dits(preset: str, device, latent: int = LATENT):
 
 
 def dit_train_step(run, model, optimizer, target, dtype) -> None:
+    import torch
+    import torch.nn.functional as F
+
     with torch.autocast(target.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = F.mse_loss(run(model).float(), target)
     loss.backward()
@@ -81,12 +81,20 @@ def turns_median_seconds(steps: dict, device, repeats: int, warmup: int, clock) 
 
 def matmul_peak(device, dtype, clock, n=2048, reps=10) -> float:
     """FLOP/s of a large square matmul: the machine's practical peak at this dtype."""
+    import torch
+
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = turns_median_seconds({"mm": lambda: a @ b}, device, reps, 2, clock)["mm"]
     return 2 * n**3 / seconds
 
 
 def dit_section(args, device) -> list[str]:
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from ldm.optim import build_optimizer
+
     cpu_seconds = getattr(args, "cpu_seconds", False) and device.type == "cpu"
     if cpu_seconds:
         torch.set_num_threads(1)  # process time is then the step's own time
@@ -122,7 +130,8 @@ def dit_section(args, device) -> list[str]:
             label: build_optimizer(m.parameters(), lr=1e-4) for label, m in models.items()
         }
         for name in dtypes:
-            dtype, peak = DTYPES[name], matmul_peak(device, DTYPES[name], clock)
+            dtype = getattr(torch, DTYPES[name])
+            peak = matmul_peak(device, dtype, clock)
             steps = {
                 label: lambda r=runs[label], m=models[label], o=optimizers[label], d=dtype, y=target: (
                     dit_train_step(r, m, o, y, d)
@@ -141,3 +150,11 @@ def dit_section(args, device) -> list[str]:
                 )
                 print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's dit table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "dit", *sys.argv[1:]])

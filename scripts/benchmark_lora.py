@@ -1,5 +1,13 @@
 """scripts/benchmark.py's lora section: a LoRA training step of ours against diffusers + peft."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
 import json
 import os
 import statistics
@@ -8,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from benchmark import (
     BATCH,
     DTYPES,
@@ -22,23 +29,23 @@ from benchmark import (
     train_step,
 )
 
-from ldm.optim import build_optimizer
-from ldm.util import instantiate_from_config
-
 # --- LoRA: ours (LatentDiffusion + ldm.lora) against diffusers + peft ---------------------------
 LORA_RANK = 16
 LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]  # diffusers' train_text_to_image_lora.py
 
 
-def build_lora_unets(device, dtype=torch.float32):
+def build_lora_unets(device, dtype=None):
     """The same base UNet with rank-16 LoRA on the attention projections (gaussian init), ours as
     a LoRA run builds it (`ldm.lora.add_adapters`, the frozen base held in `dtype` as under
     `base_dtype: auto`), diffusers' as train_text_to_image_lora.py does: `unet.add_adapter(
     LoraConfig(...))`, the frozen UNet cast to the mixed-precision dtype, the adapters float32."""
+    import torch
     from peft import LoraConfig
 
     from ldm import lora
+    from ldm.util import instantiate_from_config
 
+    dtype = dtype or torch.float32
     ours, theirs = build_unets(torch.device("cpu"), trained_like=True)
     model = instantiate_from_config(original_config(UNET_PARAMS)["model"])
     model.backbone.load_state_dict(ours.state_dict())
@@ -67,11 +74,15 @@ def build_lora_unets(device, dtype=torch.float32):
 
 def lora_optimizer(model) -> torch.optim.Optimizer:
     """The same for both sides: ours (fused AdamW) over the trainable (adapter) weights."""
+    from ldm.optim import build_optimizer
+
     return build_optimizer([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
 
 def lora_memory_child(which: str, device) -> None:
     """Its own process: peak memory of one LoRA training step (fp32), as `memory_child`."""
+    import torch
+
     ours, theirs = build_lora_unets(device)
     model = ours if which == "ours" else theirs
     del ours, theirs
@@ -132,7 +143,7 @@ def lora_section(args, device) -> list[str]:
     batch = inputs(device)
     dtypes = [d for d in args.dtypes if d == "fp32" or device.type == "cuda" or cpu_has_bf16()]
     for name in dtypes:
-        dtype = DTYPES[name]
+        dtype = getattr(torch, DTYPES[name])
         models = dict(zip(("ours", "diffusers"), build_lora_unets(device, dtype)))
         trainable = {
             k: sum(p.numel() for p in m.parameters() if p.requires_grad) for k, m in models.items()
@@ -165,3 +176,11 @@ def lora_section(args, device) -> list[str]:
 
 
 # The SD VAE's structure at half width (ch 64 instead of 128), 64x64 images, batch 4.
+
+
+if __name__ == "__main__":  # alone: benchmark.py's lora table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "lora", *sys.argv[1:]])

@@ -13,17 +13,12 @@ AdamW, fp32; they take turns step by step.
     python scripts/benchmark.py --only sdxl --steps 3 --warmup 1
 """
 
+from __future__ import annotations
+
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
 from benchmark import alternated_median_seconds
 from omegaconf import OmegaConf
-
-from ldm import checkpoint
-from ldm.optim import build_optimizer
-from ldm.unet import timestep_embedding
-from ldm.util import instantiate_from_config
 
 # Stability-AI's inference config, shipped unchanged
 SGM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sdxl" / "sd_xl_base.yaml"
@@ -43,11 +38,15 @@ def sdxl_config() -> dict:
 def build_sdxl_unets(device):
     """Our SDXL UNet and diffusers' text_time UNet2DConditionModel with the same weights (moved
     by seeded noise: the zero-initialised output layers would leave the first layers idle)."""
+    import torch
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import (
         convert_ldm_unet_checkpoint,
         create_unet_diffusers_config_from_ldm,
     )
+
+    from ldm import checkpoint
+    from ldm.util import instantiate_from_config
 
     config = sdxl_config()
     torch.manual_seed(0)
@@ -66,6 +65,8 @@ def build_sdxl_unets(device):
 
 
 def sdxl_inputs(device):
+    import torch
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(BATCH, 4, LATENT, LATENT, generator=g)
     t = torch.randint(0, 1000, (BATCH,), generator=g)
@@ -78,6 +79,10 @@ def sdxl_inputs(device):
 
 
 def sdxl_forward(model, batch):
+    import torch
+
+    from ldm.unet import timestep_embedding
+
     x, t, context, pooled, time_ids, _ = batch
     if type(model).__name__ == "UNet2DConditionModel":
         added = {"text_embeds": pooled, "time_ids": time_ids}
@@ -88,12 +93,18 @@ def sdxl_forward(model, batch):
 
 
 def sdxl_train_step(model, optimizer, batch) -> None:
+    import torch.nn.functional as F
+
     F.mse_loss(sdxl_forward(model, batch), batch[-1]).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
 def sdxl_section(args, device) -> list[str]:
+    import torch
+
+    from ldm.optim import build_optimizer
+
     rows = [
         f"| SDXL-structure UNet train step (batch {BATCH}, {LATENT}x{LATENT}, ch 64, depth 1/2/4) "
         "| dtype | img/s | vs diffusers |",
@@ -120,3 +131,11 @@ def sdxl_section(args, device) -> list[str]:
         )
         print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's sdxl table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "sdxl", *sys.argv[1:]])

@@ -1,6 +1,7 @@
 """scripts/benchmark.py's vae section: a KL-autoencoder training step of ours against diffusers'."""
 
-import torch
+from __future__ import annotations
+
 from benchmark import (
     BATCH,
     DTYPES,
@@ -20,6 +21,7 @@ VAE_LOSS = {  # L1 + KL (1e-6); no LPIPS, no discriminator (disc_start never rea
 
 def build_vaes(device):
     """Our VAE trainer and diffusers' AutoencoderKL holding the same weights."""
+    import torch
     from diffusers import AutoencoderKL
 
     from ldm.autoencoder_training import autoencoder_kl
@@ -38,6 +40,7 @@ def build_vaes(device):
 def vae_losses(device):
     """One training step of each side: encode, sample, decode, the same L1 + KL loss (ours:
     the trainer's generator loss; diffusers': the formula with its own KL), backward, Adam."""
+    import torch
 
     def ours_loss(model, x):
         recs, posterior = model(x)
@@ -54,6 +57,8 @@ def vae_losses(device):
 
 
 def vae_train_step(loss_fn, model, optimizer, x, dtype) -> None:
+    import torch
+
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
         loss = loss_fn(model, x)
     loss.backward()
@@ -62,6 +67,8 @@ def vae_train_step(loss_fn, model, optimizer, x, dtype) -> None:
 
 
 def vae_section(args, device) -> list[str]:
+    import torch
+
     rows = [
         "| VAE train step (batch 4, 64x64, ch 64, L1 + KL) | dtype | img/s | vs diffusers |",
         "|---|---|---|---|",
@@ -88,7 +95,7 @@ def vae_section(args, device) -> list[str]:
     if len(dtypes) < len(args.dtypes):
         print("VAE: no bf16 rows: this CPU has no bf16 instructions (avx512_bf16 / amx_bf16)")
     for name in dtypes:
-        dtype = DTYPES[name]
+        dtype = getattr(torch, DTYPES[name])
         steps = {
             label: lambda f=losses[label], m=models[label], o=optimizers[label], d=dtype: (
                 vae_train_step(f, m, o, x, d)
@@ -103,3 +110,11 @@ def vae_section(args, device) -> list[str]:
             )
             print(rows[-1], flush=True)
     return rows
+
+
+if __name__ == "__main__":  # alone: benchmark.py's vae table (its flags apply: --help)
+    import sys
+
+    from benchmark import main
+
+    main(["--only", "vae", *sys.argv[1:]])

@@ -26,9 +26,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml")
     parser.add_argument("--out", help="cache folder (default: data.params.cache)")
     parser.add_argument(
@@ -71,9 +71,15 @@ def load_config(opt, dotlist) -> dict:
     translate_legacy_keys(cfg)
     check_complete(cfg)
     config = to_container(cfg)
+    from ldm.checkpoint import check_config_files
+
     for section in ("model", "data"):
         if section not in config:
             raise ConfigError(f"the merged config has no '{section}' section")
+    try:  # a mistyped or another family's ckpt_path: one line, before building
+        check_config_files(config["model"])
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
     params = config["data"].get("params") or {}
     if params.get("train") is None:
         raise ConfigError("data.params.train: no training set to cache")

@@ -18,25 +18,26 @@ optimizer and loop state); --half / --bf16 store floating weights in fp16 / bf16
 stays float32).
 """
 
+from __future__ import annotations
+
 import argparse
 import copy
+import functools
 import inspect
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from lun.cli import HelpFormatter
 
-from ldm import checkpoint, diffusers_layout
-from ldm.conditioning_xl import CAPTION_KEY, SIZE_KEYS
-from ldm.diffusers_layout import is_diffusers_folder
-from ldm.schedule import SCHEDULE_BUFFER_NAMES, schedule_betas
-from ldm.util import instantiate_from_config, latent_diffusion_params
-from lun.config import merge_configs, to_container
-from lun.generation import find_config, one_line_errors, writing
-from lun.strategies import load_training_checkpoint
+if TYPE_CHECKING:
+    import torch
+# The heavy modules (torch, the models) are imported in the functions: --help answers at once.
 
 
 def convert_state(state: dict, ema: bool, prune: bool) -> dict:
     """EMA shadows -> model weights (`ema`), EMA shadows dropped (`prune` or `ema`)."""
+    from ldm import checkpoint
+
     if ema:
         if not checkpoint.has_ema(state):
             raise KeyError("--ema: the checkpoint has no EMA weights (model_ema.*)")
@@ -53,26 +54,34 @@ def convert_state(state: dict, ema: bool, prune: bool) -> dict:
 # Not weights: the DDPM schedule and the EMA decay stay float32 under --half / --bf16. In fp16
 # alphas_cumprod[0] = 0.99915 rounds to 0.99902 (samples drift from diffusers' 60x more) and an
 # EMA decay of 0.9999 rounds to 1.0 (a resumed EMA would never move).
-FULL_PRECISION = frozenset(SCHEDULE_BUFFER_NAMES) | frozenset(checkpoint.EMA_SCALARS)
+@functools.cache
+def full_precision() -> frozenset[str]:
+    from ldm import checkpoint
+    from ldm.schedule import SCHEDULE_BUFFER_NAMES
+
+    return frozenset(SCHEDULE_BUFFER_NAMES) | frozenset(checkpoint.EMA_SCALARS)
 
 
 def cast_weights(state: dict, dtype) -> dict:
-    """Floating weights cast to `dtype` (None: unchanged); the FULL_PRECISION entries are kept."""
+    """Floating weights cast to `dtype` (None: unchanged); the `full_precision()` entries are kept."""
     if dtype is None:
         return state
     return {k: v.to(dtype) if _cast(k, v) else v for k, v in state.items()}
 
 
 def _cast(key: str, tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() and key not in FULL_PRECISION
+    return tensor.is_floating_point() and key not in full_precision()
 
 
 def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: bool) -> None:
+    from ldm import checkpoint
+    from lun.generation import writing
+
     if path.suffix == ".safetensors":
         # One tensor at a time, cast as it is written: no copy of the model in memory.
         with writing(path):
             checkpoint.save_safetensors(
-                state, path, dtype, metadata={"format": "pt"}, keep=FULL_PRECISION
+                state, path, dtype, metadata={"format": "pt"}, keep=full_precision()
             )
         return
     state = cast_weights(state, dtype)
@@ -88,6 +97,8 @@ def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: 
 def _torch_save(obj, path: Path) -> None:
     """torch.save through a Python file, so a failed write (a full disk) surfaces as its OSError
     rather than torch's "[enforce fail at inline_container.cc] unexpected pos"."""
+    import torch
+
     failed = []
 
     class Sink:
@@ -119,6 +130,9 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     diffusers' own converters.
 
     `original`: the model's config as a dict (`{"model": {"target", "params"}}`)."""
+    from ldm import checkpoint, diffusers_layout
+    from ldm.util import instantiate_from_config
+
     try:
         from diffusers import DDIMScheduler, StableDiffusionPipeline
         from diffusers.loaders import single_file_utils as sfu
@@ -219,6 +233,7 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
     from diffusers.loaders import single_file_utils as sfu
     from transformers import CLIPTextModel
 
+    from ldm import checkpoint, diffusers_layout
     from ldm.util import PARAM_TRANSLATIONS
 
     check_sdxl_exportable(model, original)
@@ -272,6 +287,8 @@ def check_sdxl_exportable(model, original: dict) -> None:
     """What `StableDiffusionXLPipeline` computes must be what the model computes: CLIP's and
     OpenCLIP's penultimate layers, OpenCLIP's pooled output, then original size, crop and target
     size (each Fourier-embedded at the same width)."""
+    from ldm.conditioning_xl import CAPTION_KEY, SIZE_KEYS
+
     embedders = model.conditioner.embedders
     keys = [e.input_key for e in embedders]
     want = [CAPTION_KEY, CAPTION_KEY, *SIZE_KEYS]
@@ -300,6 +317,9 @@ def check_sdxl_exportable(model, original: dict) -> None:
 def diffusers_schedule(params: dict) -> dict:
     """The model's schedule settings in diffusers' words. The config's values, not the float32
     `betas` buffer's ends, so that a folder read back rebuilds the same buffers bit for bit."""
+    from ldm.schedule import schedule_betas
+    from ldm.util import latent_diffusion_params
+
     defaults = inspect.signature(schedule_betas).parameters
     schedule = {k: v.default for k, v in defaults.items()}
     schedule.update(latent_diffusion_params(params).get("schedule") or {})
@@ -351,6 +371,12 @@ def open_clip_as_transformers(tower, state: dict, sfu, prefix: str, blocks: int,
 def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     """A diffusers folder in the original layout, checked against the model `config` builds
     (on the meta device: only its names, shapes and settings are needed)."""
+    import torch
+
+    from ldm import checkpoint, diffusers_layout
+    from ldm.util import instantiate_from_config
+    from lun.config import merge_configs, to_container
+
     params = to_container(merge_configs([config]))["model"]
     params["params"].pop("ckpt_path", None)
     with torch.device("meta"):
@@ -363,10 +389,26 @@ def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     return state
 
 
+def check_convertible(args, keys: list[str]) -> None:
+    """A model checkpoint, of the config's family when a config is given or needed (before
+    anything is written): a LoRA file or another family's file is one line naming both."""
+    from ldm import checkpoint
+    from ldm.layout import family
+    from lun.config import merge_configs, to_container
+    from lun.generation import find_config
+
+    found = family.model_family(keys)
+    if found == family.LORA:
+        expected = "a model checkpoint (a run's .ckpt or an SD checkpoint)"
+        checkpoint.check_family(args.ckpt, found, "model", "ckpt", expected)
+    if args.config or args.to_diffusers:
+        configs = [args.config] if args.config else find_config(Path(args.ckpt))
+        expected = checkpoint.config_family(to_container(merge_configs(configs))["model"])
+        checkpoint.check_family(args.ckpt, found, expected, "ckpt")
+
+
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument(
         "ckpt",
         help="our Lightning .ckpt file or DeepSpeed/FSDP folder (or any SD checkpoint), or a "
@@ -392,6 +434,14 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not args.out and not args.to_diffusers:
         parser.error("give an output file, --to-diffusers DIR, or both")
+    import torch
+
+    from ldm import checkpoint
+    from ldm.diffusers_layout import is_diffusers_folder
+    from lun.config import merge_configs, to_container
+    from lun.generation import find_config, one_line_errors, writing
+    from lun.strategies import load_training_checkpoint
+
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
         if is_diffusers_folder(args.ckpt):  # in: a diffusers folder, out: the original layout
             if not args.config:
@@ -401,6 +451,7 @@ def main(argv=None) -> None:
         else:
             # Memory-mapped: a tensor is read when it is written out (optimizer state never).
             contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
+        check_convertible(args, checkpoint.file_state_keys(contents))
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.out:

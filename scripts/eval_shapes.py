@@ -22,6 +22,14 @@ class-conditional model (trained on `make_shapes.py --layout classes`, e.g.
 configs/dit/shapes-dit.yaml) is asked for each colour-shape class instead of a prompt.
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
 import argparse
 import sys
 from collections import Counter, deque
@@ -29,7 +37,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_shapes import SHAPE_COLORS, SHAPES, article, class_names  # noqa: E402
@@ -180,6 +187,8 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
     """Sample `args.n` images per prompt (image i from seed args.seed + i) and score them.
 
     Returns the scores, the images (prompt-major) and one line per prompt of what was seen."""
+    import torch
+
     from lun.generation import starting_noise
 
     size = args.size or model.default_image_size
@@ -220,9 +229,9 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--ckpt", required=True, help="checkpoint of a run trained on shapes")
     parser.add_argument("--config", help="model config (default: the run folder's saved config)")
     parser.add_argument("--n", type=int, default=8, help="images per (colour, shape) prompt")

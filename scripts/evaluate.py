@@ -15,29 +15,23 @@ on the same prompts and starting noise. Class-conditional models (DiT) take `--c
 Nothing is downloaded: a missing file is one line naming it (exit status 2).
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from lun.generation import (  # noqa: E402
-    SAMPLER_NAMES,
-    load_model,
-    one_line_errors,
-    starting_noise,
-    writing,
-)
+# The heavy modules (torch, the models) are imported in the functions: --help answers at once.
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+    from lun.generation_args import SAMPLER_NAMES
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("ckpts", nargs="+", help=".ckpt / .safetensors files or diffusers folders")
     parser.add_argument(
         "--base", nargs="*", default=[], help="model config(s), merged (default: the run's)"
@@ -49,13 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--features", required=True, help="feature-extractor weights file")
     parser.add_argument("--clip", help="local CLIP model folder: also the CLIP score")
     parser.add_argument("--out", help="JSON file for the results")
-    parser.add_argument("--num-images", type=int, default=1000)
-    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim")
-    parser.add_argument("--steps", type=int, default=25)
+    parser.add_argument("--num-images", type=int, default=1000, help="images drawn per checkpoint")
+    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim", help="sampler")
+    parser.add_argument("--steps", type=int, default=25, help="sampling steps")
     parser.add_argument("--scale", type=float, default=5.0, help="classifier-free guidance scale")
     parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
     parser.add_argument("--size", type=int, help="image side (default: the model's)")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="images per sampling batch")
     parser.add_argument(
         "--ema",
         action=argparse.BooleanOptionalAction,
@@ -64,8 +58,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--feature-size", type=int, default=299, help="Inception input side")
     parser.add_argument("--reference-images", type=int, help="use at most this many real images")
-    parser.add_argument("--kid-subsets", type=int, default=100)
-    parser.add_argument("--kid-subset-size", type=int, default=1000)
+    parser.add_argument("--kid-subsets", type=int, default=100, help="KID: subsets drawn")
+    parser.add_argument("--kid-subset-size", type=int, default=1000, help="KID: subset size")
     parser.add_argument("--cache-dir", help="reference cache (default ~/.cache/lun/eval)")
     parser.add_argument("--device", help="default: cuda, else mps, else cpu")
     parser.add_argument(
@@ -76,9 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_inputs(args) -> list:
     """Every file named, before anything slow; returns the prompts or class ids."""
+    from ldm import checkpoint
     from lun.callbacks.evaluation import read_prompt_file
+    from lun.config import merge_configs, to_container
     from lun.eval.clip_score import check_clip_folder
     from lun.eval.features import check_features_file
+    from lun.generation import check_model_file
 
     inputs = read_prompt_file(args.prompts) if args.prompts else list(args.classes)
     check_features_file(args.features, "--features")
@@ -91,14 +88,30 @@ def check_inputs(args) -> list:
     for ckpt in args.ckpts:
         if not Path(ckpt).exists():
             raise FileNotFoundError(f"checkpoint not found: {ckpt}")
+    expected = None
+    if args.base:  # the family of the model the config builds (on the meta device)
+        expected = checkpoint.config_family(to_container(merge_configs(args.base))["model"])
+    for ckpt in args.ckpts:  # each file's family, from its keys
+        check_model_file(ckpt, expected, "ckpt", args.unsafe_load)
     if args.num_images < 2:
         raise ValueError(f"--num-images={args.num_images}: FID needs at least 2 images")
     return inputs
 
 
-@torch.no_grad()
 def draw_and_score(model, inputs: list, extractor, scorer, args):
     """Features (N, D) and CLIP scores (N,) or None of --num-images images of `model`."""
+    import torch
+
+    with torch.no_grad():
+        return _draw_and_score(model, inputs, extractor, scorer, args)
+
+
+def _draw_and_score(model, inputs: list, extractor, scorer, args):
+    import numpy as np
+    import torch
+
+    from lun.generation import starting_noise
+
     size = args.size or model.default_image_size
     latent_shape = model.latent_shape(size, size)
     features, clip = [], []
@@ -139,6 +152,8 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    from lun.generation import load_model, one_line_errors, writing  # torch: after parsing
+
     with one_line_errors():
         inputs = check_inputs(args)
         from lun.eval.clip_score import CLIPScorer

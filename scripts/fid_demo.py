@@ -13,6 +13,8 @@
 5. writes fid.png (FID and accuracy against the step) and fid.json next to it.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import subprocess
@@ -138,9 +140,9 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", required=True, help="working folder (data, run, plot)")
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=100, help="steps between evaluations")

@@ -6,13 +6,12 @@
 
 import argparse
 
-from lun.generation import add_generation_args, generate, load_init_image, one_line_errors
+from lun.cli import HelpFormatter
+from lun.generation_args import add_generation_args
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_generation_args(parser)
     parser.add_argument("--init-img", required=True, help="the starting image")
     parser.add_argument(
@@ -25,6 +24,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0.0 <= args.strength <= 1.0:
         parser.error("--strength must be in [0, 1]")
+    from lun.generation import generate, load_init_image, one_line_errors  # torch: after parsing
+
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
         init = load_init_image(args.init_img, args.W, args.H)
         generate(args, init_images=init, extra_params={"Denoising strength": args.strength})

@@ -16,29 +16,35 @@
 import argparse
 from pathlib import Path
 
-import torch
+from lun.cli import HelpFormatter
 
-from ldm import checkpoint, lora, lora_kohya
-from ldm.util import instantiate_from_config
-from lun.config import check_complete, merge_configs, to_container
-from lun.generation import find_config, one_line_errors, writing
-from lun.lora_use import parse_spec, safetensors_metadata
-from lun.strategies import load_training_checkpoint
+# The heavy modules (torch, the models) are imported in the functions: --help answers at once.
 
 
 def load_model(args):
     """The run's model (its config, adapters included) with the checkpoint's weights."""
+    from ldm import checkpoint
+    from ldm.util import instantiate_from_config
+    from lun.config import check_complete, merge_configs, to_container
+    from lun.generation import find_config
+    from lun.strategies import load_training_checkpoint
+
     cfg = merge_configs([args.config] if args.config else find_config(Path(args.ckpt)))
     cfg.model.params.pop("ckpt_path", None)
     check_complete(cfg.model)
     model = instantiate_from_config(to_container(cfg.model))
     # A file, or a DeepSpeed / sharded FSDP folder merged into one state dict.
     contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load)
-    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents)
+    checkpoint.load_weights(model, args.ckpt, ema=args.ema, contents=contents, what="ckpt")
     return model.eval()
 
 
 def export(args) -> None:
+    import torch
+
+    from ldm import checkpoint, lora, lora_kohya
+    from lun.generation import writing
+
     model = load_model(args)
     if not lora.has_adapters(model):
         raise ValueError(f"{args.ckpt}: its config has no model.params.lora: nothing to export")
@@ -60,10 +66,18 @@ def export(args) -> None:
 
 
 def merge(args) -> None:
+    import torch
+
+    from ldm import checkpoint, lora
+    from lun.generation import check_lora_files, check_lora_target, writing
+    from lun.lora_use import parse_spec, safetensors_metadata
+
+    files = [parse_spec(item) for item in args.lora]
+    check_lora_files(files)  # before the model is built
     model = load_model(args)
+    check_lora_target(model, files)
     merged = lora.merge_adapters(model, args.weight) if lora.has_adapters(model) else 0
-    for item in args.lora:
-        path, weight = parse_spec(item)
+    for path, weight in files:
         state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
         metadata = safetensors_metadata(path)
         merged += lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
@@ -77,12 +91,10 @@ def merge(args) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("export", "merge"):
-        sub = commands.add_parser(name)
+        sub = commands.add_parser(name, formatter_class=HelpFormatter)
         sub.add_argument("ckpt", help="a LoRA run's checkpoint (or, for merge, any SD checkpoint)")
         sub.add_argument("out", help="output .safetensors")
         sub.add_argument("--config", help="model config (default: the run folder's saved config)")
@@ -90,7 +102,7 @@ def main(argv=None) -> None:
         sub.add_argument("--half", action="store_true", help="store floating tensors as fp16")
         sub.add_argument("--unsafe-load", action="store_true", help="allow pickled code")
     commands.choices["export"].add_argument(
-        "--format", choices=["kohya", "diffusers"], default="kohya"
+        "--format", choices=["kohya", "diffusers"], default="kohya", help="file format"
     )
     commands.choices["merge"].add_argument(
         "--weight", type=float, default=1.0, help="the run's adapters' strength"
@@ -103,6 +115,8 @@ def main(argv=None) -> None:
         help="LoRA files (kohya or diffusers format) to merge too",
     )
     args = parser.parse_args(argv)
+    from lun.generation import one_line_errors
+
     with one_line_errors():
         export(args) if args.command == "export" else merge(args)
 

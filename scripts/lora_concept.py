@@ -16,6 +16,8 @@ circle - a colour no training image had - shown in `--instances` images; its cla
    images that are pink) and the 18 base prompts ("a red circle", ...: colour, shape, both).
 """
 
+from __future__ import annotations
+
 import argparse
 import os
 import random
@@ -24,7 +26,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageDraw
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -73,6 +74,8 @@ def read_color(image: np.ndarray) -> str | None:
 
 def sample(model, prompt: str, n: int, size: int) -> np.ndarray:
     """`n` images of `prompt`, image i from seed i (as eval_shapes.py), as uint8 (n, H, W, 3)."""
+    import torch
+
     from lun.generation import starting_noise
 
     noise = starting_noise(list(range(n)), model.latent_shape(size, size), model.device)
@@ -150,9 +153,9 @@ def train(args, name: str, prior: bool) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--base-ckpt", required=True, help="a shapes demo checkpoint (make demo)")
     parser.add_argument("--out", type=Path, default=Path("outputs/lora-concept"))
     parser.add_argument(

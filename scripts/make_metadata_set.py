@@ -124,9 +124,9 @@ def make_metadata_set(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--items", type=int, default=100_000, help="metadata files in all")
     parser.add_argument("--image-size", type=int, default=8)

@@ -133,9 +133,9 @@ def make_shapes(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", default="data/shapes", help="output folder")
     parser.add_argument("--n", type=int, default=2000, help="number of images")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")

@@ -196,9 +196,9 @@ def plan_table() -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--workdir", type=Path, help="checkpoint, images, runs (required to run)")
     parser.add_argument(
         "--plan-table", action="store_true", help="print the plan of SD 1.x/2.x configurations"

@@ -10,25 +10,32 @@ same Frechet distance on a feature space that knows what matters in this data. T
 .safetensors whose header says how to rebuild the network (`load_features` reads it).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from lun.eval.features import SmallCNN
+
+
 import argparse
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import save_file
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_shapes import class_names, make_shapes  # noqa: E402
-
-from lun.data.images import load_image_tensor  # noqa: E402
-from lun.eval.features import SmallCNN  # noqa: E402
 
 
 def shapes_tensors(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """n images (n, 3, size, size) in [-1, 1] and their class ids (colour-shape)."""
+    import torch
+
+    from lun.data.images import load_image_tensor
+
     names = class_names()
     with tempfile.TemporaryDirectory() as folder:
         records = make_shapes(Path(folder), n, size, seed)
@@ -43,6 +50,11 @@ def shapes_tensors(n: int, size: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 def train(args) -> tuple[SmallCNN, float]:
+    import torch
+    import torch.nn.functional as F
+
+    from lun.eval.features import SmallCNN
+
     torch.manual_seed(args.seed)
     images, labels = shapes_tensors(args.n, args.size, args.seed + 1000)  # not the demo's data
     test_images, test_labels = shapes_tensors(args.n // 5, args.size, args.seed + 2000)
@@ -69,9 +81,9 @@ def train(args) -> tuple[SmallCNN, float]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--out", required=True, help="the .safetensors file to write")
     parser.add_argument("--size", type=int, default=16, help="image side (the demo's: 16)")
     parser.add_argument("--n", type=int, default=3000, help="training images (drawn fresh)")
@@ -81,6 +93,8 @@ def main(argv=None) -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    from safetensors.torch import save_file  # after parsing: --help answers at once
+
     started = time.perf_counter()
     net, accuracy = train(args)
     metadata = {**net.metadata(), "test_accuracy": f"{accuracy:.4f}"}

@@ -16,29 +16,39 @@ Output is `.safetensors`. `--to-diffusers DIR` also writes a diffusers `Autoenco
     python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt --ema --to-diffusers myvae
 """
 
+from __future__ import annotations  # torch is imported after parsing: --help answers at once
+
 import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from lun.cli import HelpFormatter
 
-from ldm.checkpoint import (
-    EMA_PREFIX,
-    FIRST_STAGE_PREFIX,
-    ema_key,
-    load_file_state,
-    save_safetensors,
-    state_dict_of,
-)
-from ldm.layout import diffusers_vae
+if TYPE_CHECKING:
+    import torch
 
 VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
 
 
 def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str, torch.Tensor]:
     """The VAE's weights under their bare original names, from any of the accepted files."""
+    from ldm.checkpoint import (
+        EMA_PREFIX,
+        FIRST_STAGE_PREFIX,
+        check_family,
+        ema_key,
+        load_file_state,
+        state_dict_of,
+    )
+    from ldm.layout import family
+
     state = state_dict_of(load_file_state(path, unsafe=unsafe))
+    found = family.model_family(state)
+    if found != family.VAE and not any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
+        expected = "a VAE, or a model checkpoint holding one (first_stage_model.*)"
+        check_family(path, found, family.VAE, "--vae", expected)
     if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
         state = {k.removeprefix(FIRST_STAGE_PREFIX): v for k, v in state.items()}
     vae = {k: v for k, v in state.items() if k.startswith(VAE_PARTS)}
@@ -54,6 +64,8 @@ def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str,
 
 def swap(diffusion: dict, vae: dict, what: str) -> dict:
     """`diffusion` with its `first_stage_model.*` replaced by `vae` (names and shapes must match)."""
+    from ldm.checkpoint import FIRST_STAGE_PREFIX
+
     own = {
         k.removeprefix(FIRST_STAGE_PREFIX) for k in diffusion if k.startswith(FIRST_STAGE_PREFIX)
     }
@@ -72,7 +84,9 @@ def swap(diffusion: dict, vae: dict, what: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--vae", required=True, help="trained VAE (.ckpt / .safetensors)")
     parser.add_argument("--ckpt", help="SD checkpoint to put it into (omit: write the VAE alone)")
     parser.add_argument("--out", help="output .safetensors")
@@ -92,10 +106,20 @@ def main(argv=None) -> int:
     if opt.out and not opt.out.endswith(".safetensors"):
         print(f"error: --out {opt.out}: expected a .safetensors file name", file=sys.stderr)
         return 2
+    import torch
+
+    from ldm.checkpoint import check_family, load_file_state, save_safetensors, state_dict_of
+    from ldm.layout import family
+
     try:
         vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
         if opt.ckpt:
-            state = swap(state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load)), vae, opt.ckpt)
+            diffusion = state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load))
+            found = family.model_family(diffusion)
+            if found in (family.VAE, family.LORA):
+                expected = "a diffusion model checkpoint (first_stage_model.*)"
+                check_family(opt.ckpt, found, "model", "--ckpt", expected)
+            state = swap(diffusion, vae, opt.ckpt)
         else:
             state = vae
     except (OSError, ValueError, KeyError) as err:
@@ -113,6 +137,9 @@ def main(argv=None) -> int:
 
 def write_diffusers(vae: dict, folder: Path, dtype, scaling_factor: float, size: int) -> None:
     """A diffusers `AutoencoderKL` folder, names by the layout layer's rule (no diffusers needed)."""
+    from ldm.checkpoint import save_safetensors
+    from ldm.layout import diffusers_vae
+
     config = diffusers_vae.diffusers_config(vae, scaling_factor, size)
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(

@@ -9,19 +9,24 @@ The loss is the recipe's L1 + KL (1e-6); LPIPS and the discriminator are off (wi
 weights LPIPS means nothing, and the GAN needs far longer runs than a demo).
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from ldm.autoencoder_training import AutoencoderKLTraining
+
+
 import argparse
 import tempfile
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
 import numpy as np
-import torch
 from make_shapes import make_shapes
 from PIL import Image
-from torch.utils.data import DataLoader
-
-from ldm.autoencoder_training import AutoencoderKLTraining, psnr
 
 DDCONFIG = dict(
     double_z=True, z_channels=4, resolution=16, in_channels=3, out_ch=3, ch=32,
@@ -41,6 +46,8 @@ LOSS = {
 
 def load_domains(folder: Path, n: int, size: int, seed: int) -> dict[str, torch.Tensor]:
     """Shapes images split by background: {"plain": (N, 3, H, W), "textured": ...} in [-1, 1]."""
+    import torch
+
     shown = make_shapes(folder, n=n, size=size, seed=seed)
     domains = {"plain": [], "textured": []}
     for item in shown:
@@ -55,15 +62,22 @@ def split(images: torch.Tensor, held_out: float = 0.2) -> tuple[torch.Tensor, to
     return images[:cut], images[cut:]
 
 
-@torch.no_grad()
 def mean_psnr(vae: AutoencoderKLTraining, images: torch.Tensor) -> float:
+    import torch
+
+    from ldm.autoencoder_training import psnr
+
     vae.eval()
-    recs, _ = vae(images, sample_posterior=False)
+    with torch.no_grad():
+        recs, _ = vae(images, sample_posterior=False)
     vae.train()
     return float(psnr(images, recs).mean())
 
 
 def train(vae: AutoencoderKLTraining, images: torch.Tensor, steps: int, batch: int) -> float:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
     data = DataLoader([{"image": x} for x in images], batch_size=batch, shuffle=True)
     trainer = pl.Trainer(
         accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False,
@@ -75,7 +89,11 @@ def train(vae: AutoencoderKLTraining, images: torch.Tensor, steps: int, batch: i
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--n", type=int, default=240, help="images generated (30%% textured)")
     parser.add_argument("--steps", type=int, default=1500, help="stage 1 (whole VAE) steps")
     parser.add_argument("--finetune-steps", type=int, default=300, help="stage 2 steps")
@@ -83,6 +101,10 @@ def main(argv=None) -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    import torch  # after parsing: --help answers at once
+
+    from ldm.autoencoder_training import AutoencoderKLTraining
+
     torch.manual_seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         domains = load_domains(Path(tmp), args.n, DDCONFIG["resolution"], args.seed)

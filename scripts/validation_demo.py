@@ -58,7 +58,12 @@ class Clock(pl.Callback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--every", type=int, default=100, help="steps between validations")
     parser.add_argument("--seed", type=int, default=23)

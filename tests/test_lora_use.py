@@ -107,7 +107,7 @@ def test_lora_bad_input_is_one_line_exit_2_before_any_output(files, tiny_config,
         f"{style}:strong": "weight 'strong' is not a number",
         f"{style}:nan": "not a finite number",
         str(other): "lora_unet_input_blocks_4_1_proj_in",
-        str(files / "base.safetensors"): "no kohya LoRA weights",
+        str(files / "base.safetensors"): "is an SD 1.x checkpoint, expected a LoRA file",
     }
     for spec, expected in cases.items():
         capsys.readouterr()

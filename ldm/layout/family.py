@@ -1,0 +1,128 @@
+"""Which model family or kind a weights file holds, from its key names alone.
+
+Every loader and script asks `model_family` (of a file's keys, and of the built model's keys)
+before loading, so a file of another family or kind is one sentence naming both, not a
+size-mismatch dump. The families, by the keys that only they have (`shared/reference/`):
+
+- DiT: `x_embedder.*` / `t_embedder.*` (facebookresearch/DiT), bare or under the backbone's
+  `model.diffusion_model.` - checked first: a text DiT also has a text encoder.
+- SDXL: `conditioner.embedders.*` (sgm's conditioner: CLIP-L + OpenCLIP bigG).
+- SD 2.x: `cond_stage_model.model.*` (OpenCLIP ViT-H text tower).
+- SD 1.x: `cond_stage_model.transformer.*` (OpenAI CLIP ViT-L).
+- VAE: `encoder.*` / `decoder.*` with no backbone - a VAE file, a VAE training run's checkpoint
+  (`loss.*` too) or diffusers' AutoencoderKL names.
+- LoRA file: only adapter keys (kohya `lora_unet_*` / `lora_te*_`, `*.lora_down/up`,
+  diffusers/peft `*.lora_A/B`, `*.alpha`, DoRA scales). A LoRA *run's* checkpoint is its base
+  family: its adapters sit beside the base weights under `lora.`.
+- A diffusers folder (`model_index.json`): the family of its pipeline class.
+
+Nothing here loads a tensor: `.safetensors` headers are read with `safe_open`, pickles are
+loaded memory-mapped with the safe loader (`ldm.checkpoint`).
+"""
+
+import json
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
+
+BACKBONE = "model.diffusion_model."
+_DIT_KEYS = ("x_embedder.", "t_embedder.")
+_TEXT_ENCODERS = (
+    ("conditioner.embedders.", SDXL),
+    ("cond_stage_model.model.", SD2),
+    ("cond_stage_model.transformer.", SD1),
+)
+_VAE_KEYS = ("encoder.", "decoder.", "first_stage_model.")
+_ADAPTER_KEY = re.compile(
+    r"^lora_(unet|te\d?)_"  # kohya / A1111 / ComfyUI
+    r"|(^|\.)(lora_[AB]|lora_down|lora_up|lora\.(down|up)|lora_magnitude_vector|dora_scale|alpha"
+    r"|hada_w\d_[ab]|lokr_w\d)(\.|$)"
+)
+# What a user does with a file of each kind (the second half of the one-line message).
+USE = {
+    VAE: "a VAE goes to --vae, or to first_stage_config.params.ckpt_path",
+    LORA: "a LoRA file goes to --lora, on the model it was trained for",
+}
+
+
+def model_family(keys: Iterable[str]) -> str | None:
+    """The family (SD1, SD2, SDXL, DIT, VAE, LORA) that state-dict `keys` belong to, or None
+    when they match none (a bare UNet, another architecture): callers then load strictly."""
+    keys = list(keys)
+    if keys and all(_ADAPTER_KEY.search(k) for k in keys):
+        return LORA
+    if any(k.removeprefix(BACKBONE).startswith(_DIT_KEYS) for k in keys):
+        return DIT
+    for prefix, family in _TEXT_ENCODERS:
+        if any(k.startswith(prefix) for k in keys):
+            return family
+    has_backbone = any(k.startswith(BACKBONE) for k in keys)
+    if not has_backbone and any(k.startswith(_VAE_KEYS) for k in keys):
+        return VAE
+    return None
+
+
+def diffusers_family(folder: str | Path) -> str | None:
+    """A diffusers pipeline folder's family, from its `model_index.json` pipeline class (and,
+    for StableDiffusionPipeline, its text encoder: OpenCLIP ViT-H uses `gelu`, OpenAI's CLIP
+    `quick_gelu`)."""
+    folder = Path(folder)
+    try:
+        name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
+    except (OSError, ValueError):
+        return None
+    if "XL" in name:
+        return SDXL
+    if name.startswith("DiT"):
+        return DIT
+    if name.startswith("StableDiffusion"):
+        try:
+            text = json.loads((folder / "text_encoder" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return SD2 if text.get("hidden_act") == "gelu" else SD1
+    return None
+
+
+def file_keys(path: str | Path, unsafe: bool = False) -> list[str]:
+    """The tensor names in a weights file, without reading its tensors (a DiT `train.py`
+    checkpoint: its `ema` entry's). Missing, refused or damaged files raise as `ldm.checkpoint`
+    does: FileNotFoundError, UnsafeCheckpointError, ValueError - each naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return list(f.keys())
+        except SafetensorError as err:
+            raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
+    from ldm import checkpoint  # it imports this package
+
+    contents = checkpoint.load_file_state(path, unsafe=unsafe, mmap=True)
+    if isinstance(contents.get("ema"), dict) and isinstance(contents.get("model"), dict):
+        contents = contents["ema"]
+    return list(checkpoint.state_dict_of(contents))
+
+
+def file_family(path: str | Path, unsafe: bool = False) -> str | None:
+    """`model_family` of a file, or of a diffusers folder."""
+    if Path(path).is_dir():
+        return diffusers_family(path)
+    return model_family(file_keys(path, unsafe))
+
+
+def a(family: str) -> str:
+    """The family's name with its article: 'an SDXL' (an ess-dee), 'a DiT', 'a VAE'."""
+    return ("an " if family.startswith("SD") else "a ") + family
+
+
+def describe(path: str | Path, family: str | None) -> str:
+    """'a diffusers folder (SDXL)', 'an SDXL checkpoint', 'a LoRA file', 'a VAE checkpoint'."""
+    if path and Path(path).is_dir():
+        return f"a diffusers folder ({family})"
+    return "a LoRA file" if family == LORA else f"{a(family)} checkpoint"

@@ -1,0 +1,37 @@
+"""What every script's command line shares: defaults shown in `--help`, one flag style.
+
+Flags are dashed (`--n-samples`); the underscore spellings of the original SD scripts
+(`--n_samples`) still parse, as hidden aliases. Nothing heavy is imported here, and scripts
+import torch only after their arguments are parsed, so `--help` answers at once.
+"""
+
+import argparse
+import copy
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written (its example commands), and every option's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if _shows_default(action) and "default" not in text:
+            text += (" " if text else "") + "(default: %(default)s)"
+        return text
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if not action.help and _shows_default(action):  # argparse skips the help of those
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    default = action.default  # `is`: 0 and 0.0 are defaults worth showing, False is not
+    hidden = default is None or default is False or default is argparse.SUPPRESS
+    return bool(action.option_strings) and not hidden and default != []
+
+
+def old_spelling(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs) -> None:
+    """`old` (e.g. `--n_samples`) parses as the documented flag writing `dest`, unlisted in
+    --help. Its default is left to the documented flag."""
+    parser.add_argument(old, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)

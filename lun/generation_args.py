@@ -1,0 +1,103 @@
+"""The flags txt2img and img2img share, apart from `lun.generation` so that `--help` and a
+mistyped flag answer without importing torch."""
+
+import argparse
+
+from lun.cli import old_spelling
+
+SAMPLER_NAMES = {
+    "ddim": "DDIM",
+    "plms": "PLMS",
+    "euler": "Euler",
+    "euler_a": "Euler a",
+    "heun": "Heun",
+    "dpmpp_2m": "DPM++ 2M",
+    "ddpm_learned": "DDPM",  # learned variances (DiT learn_sigma models)
+}
+DTYPE_NAMES = ("fp32", "bf16", "fp16")  # lun.generation.DTYPES
+
+
+def add_generation_args(parser: argparse.ArgumentParser) -> None:
+    """The flags txt2img and img2img share (names as in the original SD scripts)."""
+    parser.add_argument(
+        "--prompt", default="a painting of a virus monster playing guitar", help="what to draw"
+    )
+    parser.add_argument("--from-file", help="one prompt per line (overrides --prompt)")
+    parser.add_argument(
+        "--class",
+        dest="classes",
+        nargs="+",
+        metavar="CLASS",
+        help="classes to draw instead of prompts, for a class-conditional model (DiT): ids "
+        "(ImageNet: 207 = golden retriever) or names of the training config's class folders; "
+        "guidance is against the null class",
+    )
+    parser.add_argument("--negative-prompt", default="", help="what the image should not show")
+    parser.add_argument("--outdir", default="outputs/txt2img-samples", help="output folder")
+    parser.add_argument("--steps", type=int, default=50, help="sampling steps")
+    old_spelling(parser, "--ddim_steps", "steps", type=int)
+    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim", help="sampler")
+    parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
+    parser.add_argument("--eta", type=float, default=0.0, help="DDIM eta")
+    old_spelling(parser, "--ddim_eta", "eta", type=float)
+    parser.add_argument("--scale", type=float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument(
+        "--n-samples", type=int, default=1, help="images per prompt per iteration (batch)"
+    )
+    old_spelling(parser, "--n_samples", "n_samples", type=int)
+    parser.add_argument("--n-iter", type=int, default=1, help="iterations")
+    old_spelling(parser, "--n_iter", "n_iter", type=int)
+    parser.add_argument(
+        "--H", type=int, default=None, help="height in pixels (default: the model's)"
+    )
+    parser.add_argument(
+        "--W", type=int, default=None, help="width in pixels (default: the model's)"
+    )
+    parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
+    parser.add_argument(
+        "--fixed-code", action="store_true", help="same starting noise in every iteration"
+    )
+    old_spelling(parser, "--fixed_code", "fixed_code", action="store_true")
+    parser.add_argument("--config", help="model config (default: the run folder's saved config)")
+    parser.add_argument(
+        "--ckpt",
+        required=True,
+        help=".ckpt or .safetensors (ours or an original SD one), or a diffusers folder",
+    )
+    parser.add_argument(
+        "--precision", choices=["full", "autocast"], default="full", help="sampling precision"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPE_NAMES,
+        default="bf16",
+        help="autocast dtype with --precision autocast",
+    )
+    parser.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="use EMA weights (default: when the checkpoint has them)",
+    )
+    parser.add_argument(
+        "--vae",
+        help="VAE file replacing the checkpoint's first stage: one trained here (a run's .ckpt or "
+        "swap_vae.py's file), an original SD VAE .ckpt/.safetensors or a diffusers AutoencoderKL "
+        ".safetensors",
+    )
+    parser.add_argument("--skip-grid", action="store_true", help="no grid image of the samples")
+    old_spelling(parser, "--skip_grid", "skip_grid", action="store_true")
+    parser.add_argument("--device", default=None, help="default: cuda, else mps, else cpu")
+    parser.add_argument(
+        "--unsafe-load",
+        action="store_true",
+        help="allow pickled code in a .ckpt (only for files you trust)",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        default=[],
+        metavar="FILE[:WEIGHT]",
+        help="merge a LoRA / LoCon / DoRA file (kohya or diffusers format) at WEIGHT (default "
+        "1) before sampling; repeatable",
+    )
