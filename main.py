@@ -287,6 +287,12 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         if exit_status(stop) is None:
             raise
         return exit_status(stop)
+    except RuntimeError as err:  # an allocator's refusal (a step, sampling): the plan's line
+        from lun.memory import is_out_of_memory, out_of_memory_in_training
+
+        if not is_out_of_memory(err):
+            raise
+        raise out_of_memory_in_training(err, trainer) from err
     finally:
         if remote is not None:
             remote.sync()  # what the loggers wrote last, after every callback

@@ -72,7 +72,11 @@ class AttnBlock(nn.Module):
         normed = self.norm(x)
 
         def tokens(conv: nn.Conv2d) -> torch.Tensor:
-            return conv(normed).reshape(b, 1, c, h * w).transpose(-1, -2)  # (B, 1, HW, C)
+            # Contiguous (B, 1, HW, C): SDPA's fused kernels (flash on the CPU, memory-efficient
+            # and flash on GPUs) need the channel stride to be 1; a transposed view falls back to
+            # the math path, which holds the HW x HW logits - 32 GiB for two 512 px images in a
+            # 2-level VAE's mid block. The fused kernels never materialise that matrix.
+            return conv(normed).reshape(b, 1, c, h * w).transpose(-1, -2).contiguous()
 
         # softmax(q k^T / sqrt(C)) v - SDPA's default scale is the original's c**-0.5. In float32
         # under half-precision autocast: one head over C = 512 channels sums 512 products per

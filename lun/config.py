@@ -140,6 +140,7 @@ def translate_legacy_keys(cfg: DictConfig) -> DictConfig:
     """
     _move_caption_dropout(cfg)
     _translate_data_module(cfg)
+    _translate_open_diffusion_keys(cfg)
     _translate_trainer_keys(cfg)
     _move_modelcheckpoint(cfg)
     return cfg
@@ -191,27 +192,85 @@ LEGACY_ACCELERATOR_STRATEGIES = ("ddp", "ddp_spawn", "ddp2", "dp", "ddp_sharded"
 
 def _translate_data_module(cfg: DictConfig) -> None:
     data = cfg.get("data") if isinstance(cfg, DictConfig) else None
-    if not isinstance(data, DictConfig) or data.get("target") != "main.DataModuleFromConfig":
+    if not isinstance(data, DictConfig):
         return
-    data.target = "lun.data.DataModule"
-    logger.warning(
-        "data.target main.DataModuleFromConfig is a legacy target: now lun.data.DataModule"
-    )
     params = data.get("params")
-    if not isinstance(params, DictConfig):
-        return
-    # There `num_workers: null` meant twice the batch size; here the default is 0.
-    if "num_workers" in params and params._get_node("num_workers")._is_none():
-        params.num_workers = (
-            2 * _value(cfg, "data.params.batch_size") if "batch_size" in params else 0
-        )
+    if data.get("target") == "main.DataModuleFromConfig":
+        data.target = "lun.data.DataModule"
         logger.warning(
-            "data.params.num_workers: null meant 2 x batch_size there: now %s", params.num_workers
+            "data.target main.DataModuleFromConfig is a legacy target: now lun.data.DataModule"
         )
-    for key, why in DATA_MODULE_NO_EFFECT.items():
-        if key in params:
-            del params[key]
-            logger.warning("data.params.%s has no effect here and is ignored: %s", key, why)
+        # There `num_workers: null` meant twice the batch size; here the default is 0.
+        if isinstance(params, DictConfig) and "num_workers" in params:
+            if params._get_node("num_workers")._is_none():
+                batch_size = _value(cfg, "data.params.batch_size") if "batch_size" in params else 0
+                params.num_workers = 2 * batch_size
+                logger.warning(
+                    "data.params.num_workers: null meant 2 x batch_size there: now %s",
+                    params.num_workers,
+                )
+    elif data.get("target") != "lun.data.DataModule":
+        return
+    # CompVis' own keys, also in configs that already name lun.data.DataModule.
+    if isinstance(params, DictConfig):
+        for key, why in DATA_MODULE_NO_EFFECT.items():
+            if key in params:
+                del params[key]
+                logger.warning("data.params.%s has no effect here and is ignored: %s", key, why)
+
+
+# open-diffusion's dataset params (its `dataset.params`: data/base.py's WebDataset,
+# ClassificationWebDataset and ParquetDataset) -> ours: (the dataset's parameter, or the split's
+# loader setting when the name starts with "split.").
+OPEN_DIFFUSION_KEYS = {
+    "lun.data.webdataset.WebDataset": {
+        "path": "urls",
+        "resolution": "size",
+        "class_mapping": "idx_to_prompt",
+        "workers": "split.num_workers",
+        "batch_size": "split.batch_size",
+    },
+    "lun.data.webdataset.Parquet": {
+        "path": "paths",
+        "resolution": "size",
+        "workers": "split.num_workers",
+        "batch_size": "split.batch_size",
+    },
+}
+
+
+def _translate_open_diffusion_keys(cfg: DictConfig) -> None:
+    """open-diffusion's keys in a stream's params move to ours, one notice line per split; a
+    key given both ways is refused (which one was meant is not ours to guess)."""
+    splits = OmegaConf.select(cfg, "data.params", default=None)
+    if not isinstance(splits, DictConfig):
+        return
+    for split in ("train", "validation", "test"):
+        node = splits.get(split)
+        if not isinstance(node, DictConfig):
+            continue
+        keys = OPEN_DIFFUSION_KEYS.get(node.get("target"))
+        params = node.get("params")
+        if keys is None or not isinstance(params, DictConfig):
+            continue
+        moved = []
+        for theirs, ours in keys.items():
+            if theirs not in params:
+                continue
+            where, name = (node, ours[6:]) if ours.startswith("split.") else (params, ours)
+            path = f"data.params.{split}.{'' if where is node else 'params.'}{name}"
+            if name in where:
+                raise ConfigError(
+                    f"data.params.{split}.params.{theirs} (open-diffusion's name) and {path} "
+                    f"are both set: keep {path}"
+                )
+            where[name] = params._get_node(theirs)._value()  # interpolations kept as written
+            del params[theirs]
+            moved.append(f"{theirs} -> {path}")
+        if moved:
+            logger.warning(
+                "data.params.%s.params: open-diffusion's keys mapped: %s", split, ", ".join(moved)
+            )
 
 
 def _translate_trainer_keys(cfg: DictConfig) -> None:

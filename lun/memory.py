@@ -37,6 +37,7 @@ state and EMA plus the one tensor being read (`lun.atomic_io.lazy_load_checkpoin
 import json
 import math
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,6 +77,43 @@ CHECKPOINTING_SAVES = 0.75
 
 class MemoryPlanError(ConfigError):
     """The plan does not fit the machine: one line saying by how much and what would fit."""
+
+
+# --- out of memory --------------------------------------------------------------------------
+# An allocator that cannot give what is asked: accelerators raise torch.OutOfMemoryError, the
+# CPU allocator a RuntimeError ("[enforce fail at alloc_cpu.cpp] ... DefaultCPUAllocator: can't
+# allocate memory: you tried to allocate 34359738368 bytes. Error code 12"; "not enough memory"
+# on Windows).
+CPU_ALLOCATOR_FAILURES = ("DefaultCPUAllocator: can't allocate memory", "not enough memory")
+_ASKED = re.compile(r"tried to allocate ([\d.]+) ?(bytes|B|KiB|MiB|GiB|TiB)", re.IGNORECASE)
+_UNITS = {"bytes": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+# What shrinks the memory a step holds, each with the key that sets it.
+OUT_OF_MEMORY_OPTIONS = (
+    "a smaller batch (data.params.batch_size, with lightning.trainer.accumulate_grad_batches)",
+    "gradient checkpointing (use_checkpoint: true in the backbone's params)",
+    "a latent cache (scripts/cache_latents.py, then data.params.cache: no VAE in the step)",
+    "a lower resolution (the train set's size)",
+)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is an allocator's refusal (not any other RuntimeError)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and any(s in str(err) for s in CPU_ALLOCATOR_FAILURES)
+
+
+def out_of_memory_message(err: BaseException, where: str, memory: str, limit: int | None) -> str:
+    """One line for an allocator's refusal in `where`: what did not fit (the allocation it
+    asked for, against `limit` bytes of `memory`) and the options that shrink a step."""
+    asked = _ASKED.search(str(err))
+    size = float(asked.group(1)) * _UNITS[asked.group(2).lower()] if asked else None
+    what = f"an allocation of {_gib(int(size))}" if size is not None else "an allocation"
+    of = f" ({memory}: {_gib(limit)} in all)" if limit else f" ({memory})"
+    return (
+        f"out of memory in {where}: {what} did not fit{of}; "
+        f"options: {'; '.join(OUT_OF_MEMORY_OPTIONS)}"
+    )
 
 
 @dataclass
@@ -495,7 +533,12 @@ def memory_plan(
         # trainer: its activations are left out of the plan, and the plan says so.
         activations, how = 0, "not measured (no probe batch, or manual optimization)"
     elif activations is None:
-        activations = measure_activations(model, batch, trainer)
+        try:
+            activations = measure_activations(model, batch, trainer)
+        except RuntimeError as err:
+            if not is_out_of_memory(err):
+                raise
+            raise _refusal(err, f"the probe step (batch {_batch_size(batch)})", device) from err
     parts.append(Part(ACTIVATIONS, activations, DEVICE, how))
     ema = _ema_parts(trainer, model, precision)
     parts += ema
@@ -626,12 +669,35 @@ def _batch_size(batch) -> int:
     return batch_size_of(batch)
 
 
+def _refusal(err: BaseException, where: str, device: torch.device) -> MemoryPlanError:
+    """The plan's one line for an allocator's refusal while measuring or training."""
+    if device.type == "cpu":
+        memory, limit = "host RAM", host_memory_budget()
+    else:
+        memory, limit = f"{device} memory", device_memory_budget(device)
+    return MemoryPlanError("memory plan: " + out_of_memory_message(err, where, memory, limit))
+
+
+def out_of_memory_in_training(err: BaseException, trainer) -> MemoryPlanError:
+    """The one line for an allocator's refusal inside `trainer.fit` (a step, sampling)."""
+    step = trainer.global_step
+    where = "the first training step" if step == 0 else f"training at step {step}"
+    return _refusal(err, where, trainer.strategy.root_device)
+
+
 def plan_run(model, data, trainer, host_gib: float | None = None, device_gib: float | None = None):
     """The launcher's plan: the probe batch from `data`, budgets in GiB (None: the machine's)."""
+    try:
+        batch = probe_batch(data)
+    except RuntimeError as err:
+        if not is_out_of_memory(err):
+            raise
+        where = f"the probe batch (batch {data.batch_size('train')})"
+        raise _refusal(err, where, trainer.strategy.root_device) from err
     return memory_plan(
         model,
         trainer,
-        probe_batch(data),
+        batch,
         host_budget=None if host_gib is None else int(host_gib * GiB),
         device_budget=None if device_gib is None else int(device_gib * GiB),
     )

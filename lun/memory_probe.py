@@ -6,6 +6,7 @@ by the allocator's peak on an accelerator. The probe leaves the run's random str
 gradients as they were, so a run with the plan trains exactly like one without.
 """
 
+import copy
 import os
 import random
 import sys
@@ -83,10 +84,17 @@ def _same_random_streams(device: torch.device) -> Iterator[None]:
 
 
 def probe_batch(data) -> dict | None:
-    """One training batch at the largest bucket and the batch size, from the first item of the
-    training set (resized: only its shape matters), or None when the data cannot tell."""
+    """One training batch at the largest bucket and the batch size, or None when the data cannot
+    tell. A map-style set gives its first item (resized: only its shape matters), repeated; a
+    stream (WebDataset, Parquet), which cannot be indexed, gives the first batch it would load -
+    all its images have the configured size."""
     dataset = getattr(data, "datasets", {}).get("train")
-    if dataset is None or not hasattr(dataset, "__getitem__"):
+    if dataset is None:
+        return None
+    batch_size = data.batch_size("train") if hasattr(data, "batch_size") else 1
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        return _first_streamed_batch(dataset, batch_size)
+    if not hasattr(dataset, "__getitem__"):
         return None
     item = dataset[0]
     sizes = getattr(dataset, "bucket_sizes", None)
@@ -94,9 +102,20 @@ def probe_batch(data) -> dict | None:
         width, height = max(sizes, key=lambda wh: wh[0] * wh[1])
         image = item["image"].unsqueeze(0)
         item = {**item, "image": F.interpolate(image, size=(height, width), mode="nearest")[0]}
-    batch_size = data.batch_size("train") if hasattr(data, "batch_size") else 1
     collate = getattr(dataset, "collate", torch.utils.data.default_collate)
     return collate([item] * batch_size)
+
+
+def _first_streamed_batch(dataset, batch_size: int) -> dict | None:
+    """The stream's first batch, read here (no workers) from a copy configured for one process
+    and no shuffle buffer (which would read a hundred samples before the first), leaving the
+    run's own stream and random streams as they were."""
+    if not hasattr(dataset, "configure"):
+        return None  # the DataModule names an unsharded stream when it builds the loader
+    probe = copy.copy(dataset)
+    probe.configure(batch_size, shuffle=False)
+    with _same_random_streams(torch.device("cpu")):
+        return next(iter(probe), None)
 
 
 def measure_activations(model, batch, trainer) -> int:

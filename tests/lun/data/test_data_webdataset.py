@@ -300,3 +300,28 @@ def test_stream_captions_follow_byte_order_marks_and_count_legacy_text(tmp_path,
     assert captions == ["café au lait", "naïve", "plain", "ok"]
     messages = " ".join(r.getMessage() for r in caplog.records)
     assert "'caption not UTF-8 (read as cp1252)': 1" in messages
+
+
+def test_memory_probe_takes_a_streams_first_batch_and_leaves_the_stream(shards):
+    """A stream cannot be indexed: the memory plan's probe reads its first batch at the batch
+    size, and the run's own loader then yields what it yields without a probe."""
+    from lun.data import DataModule
+    from lun.memory_probe import probe_batch
+
+    def module():
+        urls = str(shards / "shard-{000..003}.tar")
+        train = {"target": "lun.data.webdataset.WebDataset", "params": {"urls": urls, "size": 8}}
+        train["params"]["num_examples_to_see"] = 12
+        data = DataModule(train=train, batch_size=3, seed=1)
+        data.setup("fit")
+        return data
+
+    probed = module()
+    torch.manual_seed(0)
+    expected = torch.rand(1)
+    torch.manual_seed(0)
+    batch = probe_batch(probed)
+    assert torch.equal(torch.rand(1), expected)  # the run's random streams as they were
+    assert batch["image"].shape == (3, 3, 8, 8) and len(batch["caption"]) == 3
+    first, fresh = next(iter(probed.train_dataloader())), next(iter(module().train_dataloader()))
+    assert first["caption"] == fresh["caption"] and torch.equal(first["image"], fresh["image"])
