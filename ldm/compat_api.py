@@ -64,11 +64,11 @@ class CompVisAPI:
     `decode_first_stage` and `alphas_cumprod` are the module's own; its `apply_model` takes the
     original forms through `named_conditioning`."""
 
-    @torch.no_grad()
     def get_learned_conditioning(self, c):
         """Prompts (or class ids) -> the context tensor (B, T, D) as the original returns it; a
         conditioner with more fields than the cross-attention context (SDXL) gives the dict,
-        which `apply_model` takes as well."""
+        which `apply_model` takes as well. Gradients flow where the conditioner trains (as in
+        the original, which textual-inversion code relies on)."""
         cond = self.conditioning(self.conditioner.batch_of(c))
         return cond["crossattn"] if set(cond) == {"crossattn"} else cond
 
