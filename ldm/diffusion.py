@@ -18,6 +18,7 @@ from ldm import checkpoint, sampling, vlb
 from ldm import lora as lora_module
 from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
+from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
@@ -40,7 +41,7 @@ class DiffusionWrapper(nn.Module):
         return self.diffusion_model(x, t, cond)
 
 
-class LatentDiffusion(pl.LightningModule):
+class LatentDiffusion(CompVisAPI, pl.LightningModule):
     """Conditional latent diffusion: a frozen first stage (VAE), a conditioner, a trainable backbone.
 
     The parts meet at three seams: the conditioner turns a batch into named tensors
@@ -264,6 +265,9 @@ class LatentDiffusion(pl.LightningModule):
     def apply_model(
         self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
+        """The backbone's output for `cond`, our dict or an original form (a bare context
+        tensor, CompVis' `c_crossattn` dict: `ldm.compat_api`)."""
+        cond = named_conditioning(cond)
         if self.channels_last:
             x_t = x_t.contiguous(memory_format=torch.channels_last)
         if self.sdpa_kernels is None:

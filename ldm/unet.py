@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ldm.attention import SpatialTransformer, check_attention_backend
+from ldm.compat_api import named_conditioning
 
 
 def timestep_embedding(timesteps: torch.Tensor, dim: int, max_period: float = 10000.0):
@@ -321,11 +322,14 @@ class UNetModel(nn.Module):
         x: torch.Tensor,
         timesteps: torch.Tensor,
         cond: Mapping[str, torch.Tensor] | None = None,
+        context: torch.Tensor | None = None,
+        y: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Predict eps (or v) for x (B, C, H, W) at timesteps (B,) given the conditioning fields
         `crossattn` (B, M, D) (cross-attention context), and `y` (B,) (class ids, with
-        num_classes) or `vector` (B, adm_in_channels) (SDXL)."""
-        cond = cond or {}
+        num_classes) or `vector` (B, adm_in_channels) (SDXL). The original call
+        `forward(x, timesteps, context, y=...)` works too (`ldm.compat_api`)."""
+        cond = named_conditioning(cond, context, y)
         context = cond.get("crossattn")
         label = cond.get(self.label_field) if self.label_field else None
         if self.label_field and label is None:

@@ -7,6 +7,7 @@ Light on purpose (no torch, no Lightning): the launcher imports it first thing.
 import logging
 import os
 import pickle
+import re
 import signal
 import threading
 import time
@@ -14,7 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lun.config import ConfigError
 
@@ -49,13 +50,50 @@ class RunDir:
             log.info(f"removed {stale}, left by a checkpoint write that was killed")
 
     def save_configs(self, cfg: DictConfig) -> None:
-        """Write the merged config as `<ts>-project.yaml` (model, data) and `<ts>-lightning.yaml`."""
+        """Write the merged config as `<ts>-project.yaml` (model, data) and `<ts>-lightning.yaml`,
+        as written: a resume re-reads them, and an interpolation such as
+        `total_steps: ${lightning.trainer.max_steps}` follows a new `max_steps`.
+
+        The project file also works alone (`txt2img.py --config`, `--base` of a new run): the
+        values its interpolations take from other sections (`lightning.trainer.max_steps`) are
+        kept in it, as this run had them (`referenced_values`)."""
         # A resumed run adds a newer pair; on the next resume the newest wins the merge.
         timestamp = time.strftime("%Y-%m-%dT%H-%M-%S")
-        project = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "lightning"])
+        sections = [k for k in cfg if k != "lightning"]
+        project = OmegaConf.masked_copy(cfg, sections)
+        referenced = referenced_values(cfg, sections)
+        if referenced:
+            project = OmegaConf.merge(project, referenced)
         OmegaConf.save(project, self.configs / f"{timestamp}-project.yaml")
         lightning = OmegaConf.create({"lightning": cfg.get("lightning", {})})
         OmegaConf.save(lightning, self.configs / f"{timestamp}-lightning.yaml")
+
+
+# `${a.b.c}`: an absolute node interpolation (relative ones start with a dot, resolvers hold `:`).
+_INTERPOLATION = re.compile(r"\$\{([A-Za-z_][\w\-]*(?:\.[\w\-]+)*)\}")
+
+
+def referenced_values(cfg: DictConfig, sections: list[str]) -> DictConfig:
+    """The values that interpolations in `sections` take from outside them, resolved, as a
+    config of their own: `{lightning: {trainer: {max_steps: 6}}}`."""
+    found = OmegaConf.create()
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            node = list(node.values())
+        if isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            for key in _INTERPOLATION.findall(node):
+                if key.split(".")[0] not in sections:
+                    value = OmegaConf.select(cfg, key, throw_on_missing=False)
+                    if isinstance(value, DictConfig | ListConfig):
+                        value = OmegaConf.to_container(value, resolve=True)
+                    OmegaConf.update(found, key, value, force_add=True)
+
+    walk(OmegaConf.to_container(OmegaConf.masked_copy(cfg, sections), resolve=False))
+    return found
 
 
 def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import FSDPPrecision
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import DDPStrategy, Strategy, StrategyRegistry
 from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeedStrategy
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -44,18 +44,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from ldm import checkpoint
 from ldm.util import get_obj_from_str, instantiate_from_config
 
-# Names Lightning registers for these engines, as `{class: params}` of our adapters.
+# Names Lightning registers for DeepSpeed (`deepspeed_stage_2_offload`, ...), as the params of
+# our adapter: read from Lightning's registry, so every name it knows runs here too (also on CPU).
 DEEPSPEED_NAMES = {
-    "deepspeed": {},
-    "deepspeed_stage_1": {"stage": 1},
-    "deepspeed_stage_2": {"stage": 2},
-    "deepspeed_stage_2_offload": {"stage": 2, "offload_optimizer": True},
-    "deepspeed_stage_3": {"stage": 3},
-    "deepspeed_stage_3_offload": {
-        "stage": 3,
-        "offload_optimizer": True,
-        "offload_parameters": True,
-    },
+    name: dict(entry["init_params"])
+    for name, entry in StrategyRegistry.items()
+    if entry["strategy"] is LightningDeepSpeedStrategy
 }
 FSDP_NAMES = {"fsdp": {}, "fsdp_native": {}, "fsdp_cpu_offload": {"cpu_offload": True}}
 # `target:` paths that mean these engines; a config written for Lightning then runs on CPU too.
@@ -108,9 +102,7 @@ def build_strategy(
 
 
 def _deepspeed(params: dict) -> "DeepSpeedStrategy":
-    # Lightning's "auto" reads the train loader's `batch_sampler.batch_size`, which lun.data's
-    # samplers lack: it only feeds DeepSpeed's throughput log (as in configs/lightning/).
-    return DeepSpeedStrategy(**{"logging_batch_size_per_gpu": 1, **params})
+    return DeepSpeedStrategy(**params)
 
 
 def _deepspeed_from_config(strategy_cfg: str | dict, deepspeed_cfg: dict) -> Strategy:
@@ -163,6 +155,18 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
     @property
     def _on_cpu(self) -> bool:
         return isinstance(self.accelerator, CPUAccelerator)
+
+    def _auto_select_batch_size(self) -> int:
+        # Lightning reads the train loader's `batch_sampler.batch_size` when the DeepSpeed config
+        # has no `train_micro_batch_size_per_gpu` (its "auto", or a user's `config:`); lun.data's
+        # batch samplers have none, and a loader built this early is not wanted: the DataModule
+        # says. (The value only feeds DeepSpeed's throughput log.)
+        from lun.data.datamodule import DataModule
+
+        data = self.lightning_module.trainer.datamodule
+        if isinstance(data, DataModule):
+            return data.batch_size("train")
+        return super()._auto_select_batch_size()
 
     def setup_environment(self) -> None:
         if not self._on_cpu:

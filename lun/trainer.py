@@ -10,6 +10,7 @@ checked here first.
 import difflib
 import inspect
 import logging
+import os
 import re
 import typing
 from typing import Any
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 LEGACY_CALLBACK_TARGETS = {
     "main.ImageLogger": "lun.callbacks.image_logger.ImageLogger",
     "lun.callbacks.SmoothedProgressBar": "lun.callbacks.progress.SmoothedProgressBar",
+    # translunar-diffusion's own ImageLogger (its parameters are the original's, translated below).
+    "lun.callbacks.ImageLogger": "lun.callbacks.image_logger.ImageLogger",
 }
 IMAGE_LOGGER = "lun.callbacks.image_logger.ImageLogger"
 CHECKPOINT = "lun.callbacks.checkpoints.Checkpoint"
@@ -52,6 +55,8 @@ LEGACY_IMAGE_LOGGER_PARAMS = {
     "check_custom_step": None,
     "log_on_batch_idx": None,  # we count optimizer steps
     "log_before_first_step": "log_first_step",
+    "val_batch_frequency": None,  # translunar: grids are logged in training only here
+    "log_images_to_loggers": None,  # translunar: our grids always go to the loggers too
 }
 # The original `log_images_kwargs` (passed to the original model's `log_images`).
 LEGACY_LOG_IMAGES_KWARGS = {
@@ -330,7 +335,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
     ]
     if user_bars:
         configs.pop("progress_bar", None)  # Lightning allows one progress bar: the user's
-    callbacks = []
+    callbacks, names = [], {}
     for name, cfg in configs.items():
         key = f"lightning.callbacks.{name}"
         if "target" not in cfg:
@@ -353,10 +358,41 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
                 cls = Checkpoint
             params = _checkpoint_params(key, cls, params, run)
         with config_errors(key, cfg):
-            callbacks.append(instantiate_from_config({"target": cfg["target"], "params": params}))
+            callback = instantiate_from_config({"target": cfg["target"], "params": params})
+        callbacks.append(callback)
+        names[id(callback)] = name
+    _tell_checkpoints_apart(callbacks, names)
     # Always on: crashes and Ctrl-C leave a checkpoint; SIGUSR1 saves and goes on.
     callbacks.append(SignalCheckpoint(dirpath=str(run.checkpoints)))
     return callbacks
+
+
+def _tell_checkpoints_apart(callbacks: list, names: dict[int, str]) -> None:
+    """Checkpoints whose settings give the same state key (e.g. two periodic ones that differ
+    only by `dirpath` or `save_top_k`, which Lightning refuses as "more than one stateful
+    callback") are told apart by their config names; those that would write the same files
+    are a config error."""
+    same_key: dict[str, list] = {}
+    for callback in callbacks:
+        if isinstance(callback, Checkpoint):
+            same_key.setdefault(callback.state_key, []).append(callback)
+    for group in same_key.values():
+        if len(group) < 2:
+            continue
+        files = {}
+        for callback in group:
+            where = (
+                os.path.abspath(callback.dirpath or ""),
+                callback.save_top_k,
+                callback.save_last,
+            )
+            if where in files:
+                raise ConfigError(
+                    f"lightning.callbacks.{names[id(callback)]}: saves the same files as "
+                    f"lightning.callbacks.{names[id(files[where])]}; remove one of them"
+                )
+            files[where] = callback
+            callback.config_name = names[id(callback)]
 
 
 def build_logger(lightning_cfg: dict, run: RunDir):
@@ -407,6 +443,13 @@ def build_trainer(
     from lun.atomic_io import AtomicCheckpointIO
 
     kwargs = trainer_kwargs(lightning_cfg)
+    if not has_validation and kwargs.get("val_check_interval") is not None:
+        # Lightning checks it against the epoch's batch count even with nothing to validate
+        # (translunar's `val_check_interval: 2000` on a small set stopped the run at start).
+        logging.getLogger(__name__).warning(
+            "lightning.trainer.val_check_interval has no effect without validation data"
+        )
+        kwargs.pop("val_check_interval")
     callbacks = build_callbacks(lightning_cfg, run, has_validation, use_ema)
     logger = build_logger(lightning_cfg, run)
     try:

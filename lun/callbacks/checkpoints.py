@@ -110,10 +110,15 @@ class Checkpoint(ModelCheckpoint):
             return "latest"
         return "samples-{samples:012d}" if save_every_n_samples else "step-{step:09d}"
 
+    # The config's name for this callback (`lightning.callbacks.<name>`), set by the launcher
+    # only where two checkpoints' settings below are the same (they differ by `dirpath`,
+    # `save_top_k`, ...): it then joins the state key, which stays the same from run to run.
+    config_name: str | None = None
+
     @property
     def state_key(self) -> str:
         # Several instances differ only by these; each must find its own state on resume.
-        return self._generate_state_key(
+        settings = dict(
             monitor=self.monitor,
             mode=self.mode,
             every_n_train_steps=self._every_n_train_steps,
@@ -122,6 +127,9 @@ class Checkpoint(ModelCheckpoint):
             save_every_n_samples=self.save_every_n_samples,
             filename=self.filename,
         )
+        if self.config_name is not None:
+            settings["name"] = self.config_name
+        return self._generate_state_key(**settings)
 
     @staticmethod
     def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:

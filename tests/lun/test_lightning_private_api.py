@@ -37,6 +37,11 @@ NAMES = [
     ),
     ("lightning.pytorch.strategies.DeepSpeedStrategy._multi_device", None, STRATEGIES),
     (
+        "lightning.pytorch.strategies.DeepSpeedStrategy._auto_select_batch_size",
+        ["self"],
+        STRATEGIES,
+    ),
+    (
         "lightning.pytorch.strategies.DeepSpeedStrategy.save_checkpoint",
         ["self", "checkpoint", "filepath", "storage_options"],
         STRATEGIES,
