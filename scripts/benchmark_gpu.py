@@ -464,7 +464,8 @@ def rows_loop(args, s, device, emit) -> None:
     if not script.exists():
         emit({"row": "loop", "skipped": "scripts/benchmark_loop.py is not there"})
         return
-    out = python([sys.executable, str(script)], timeout=args.row_timeout)
+    where = ["--device", "cuda"] if device.type == "cuda" else []
+    out = python([sys.executable, str(script), *where], timeout=args.row_timeout)
     emit({"row": "loop (scripts/benchmark_loop.py)", "output": tail(out, 12)})
 
 

@@ -91,8 +91,15 @@ class StepClock:
                 setattr(torch.Tensor, name, original)
 
 
-def overrides(data_root: Path, steps: int, width: int, batch_size: int, every: int) -> list[str]:
+def overrides(
+    data_root: Path, steps: int, width: int, batch_size: int, every: int, device: str = "cpu"
+) -> list[str]:
+    # Both sides on one device in fp32: the demo config picks no accelerator, and Lightning
+    # would take a GPU where the plain loop runs on the CPU.
     return [
+        f"lightning.trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+        "lightning.trainer.devices=1",
+        "lightning.trainer.precision=32",
         f"data.params.train.params.data_root={data_root}",
         f"data.params.batch_size={batch_size}",
         f"model.params.unet_config.params.model_channels={width}",
@@ -124,9 +131,13 @@ def main_py_loop(config: Path, dotlist: list[str], logdir: Path) -> StepClock:
     return clock
 
 
-def plain_loop(config: Path, dotlist: list[str], steps: int) -> tuple[list[float], list[float]]:
-    """The same model, data and optimizer in a for loop; the wall and CPU time of every step's
-    end."""
+def plain_loop(
+    config: Path, dotlist: list[str], steps: int, device: str = "cpu"
+) -> tuple[list[float], list[float]]:
+    """The same model, data and optimizer in a for loop on `device`; the wall and CPU time of
+    every step's end (on a GPU the queue of launched work fills within a few steps, so the
+    median interval is the step's time without a synchronisation per step)."""
+    from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.pytorch import seed_everything
     from omegaconf import OmegaConf
 
@@ -135,7 +146,7 @@ def plain_loop(config: Path, dotlist: list[str], steps: int) -> tuple[list[float
     seed_everything(0, verbose=False)
     cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(dotlist))
     cfg = OmegaConf.to_container(cfg, resolve=True)
-    model, data = build_model(cfg["model"]), build_data(cfg["data"])
+    model, data = build_model(cfg["model"]).to(device), build_data(cfg["data"])
     data.setup("fit")
     model.learning_rate = cfg["model"]["base_learning_rate"]
     configured = model.configure_optimizers()
@@ -146,7 +157,7 @@ def plain_loop(config: Path, dotlist: list[str], steps: int) -> tuple[list[float
     ends, cpu_ends = [], []
     while len(ends) < steps:
         for batch in data.train_dataloader():
-            loss = model.diffusion_loss(batch)[0]
+            loss = model.diffusion_loss(move_data_to_device(batch, device))[0]
             loss.backward()
             optimizer.step()
             if scheduler is not None:
@@ -177,17 +188,17 @@ def loop_table(args, tmp: Path) -> list[str]:
     torch.set_num_threads(args.threads)
     data = make_data(tmp / "shapes", args.images)
     steps = args.warmup + args.steps
-    dotlist = overrides(data, steps, args.width, args.batch_size, args.log_every)
+    dotlist = overrides(data, steps, args.width, args.batch_size, args.log_every, args.device)
     config = Path(args.config)
-    before = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
+    before = [median_ms(e, args.warmup) for e in plain_loop(config, dotlist, steps, args.device)]
     clock = main_py_loop(config, dotlist, tmp / "logs")
     ours, ours_cpu = median_ms(clock.ends, args.warmup), median_ms(clock.cpu_ends, args.warmup)
-    after = [median_ms(ends, args.warmup) for ends in plain_loop(config, dotlist, steps)]
+    after = [median_ms(e, args.warmup) for e in plain_loop(config, dotlist, steps, args.device)]
     (plain_before, cpu_before), (plain_after, cpu_after) = before, after
     plain, plain_cpu = (plain_before + plain_after) / 2, (cpu_before + cpu_after) / 2
     synced = sorted(s for s in clock.reads if s > 1)
     rows = [
-        f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, "
+        f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, {args.device}, "
         f"{args.threads} thread) | wall ms/step | CPU ms/step |",
         "|---|---|---|",
         f"| plain PyTorch loop (before / after) | {plain_before:.1f} / {plain_after:.1f} "
@@ -214,6 +225,9 @@ def parse_args(argv=None):
     parser.add_argument("--images", type=int, default=256)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="where both sides train"
+    )
     return parser.parse_args(argv)
 
 
