@@ -59,7 +59,8 @@ def test_a_tiny_lora_run_stopped_by_ctrl_c_prints_only_our_lines(tmp_path, tiny_
     logs = tmp_path / "logs"
     signal = "lightning.callbacks.fault={target: test_signals.SendSignal, params: {at_step: 1}}"
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
-    args += ["model.params.lora={rank: 2}", signal, "-l", str(logs), "-t"]
+    args += ["model.params.lora={rank: 2}", "lightning.trainer.max_steps=3", signal]
+    args += ["-l", str(logs), "-t"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # test_signals.SendSignal
     result = run_main(args, cwd=tmp_path, env=env)
     assert result.returncode == 130, result.stderr[-3000:]  # stopped by SIGINT, saved
