@@ -10,6 +10,7 @@
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,15 +55,20 @@ def test_importing_our_modules_prints_nothing_and_leaves_peft_alone():
     assert result.stdout == "[]"  # nothing printed, and neither peft nor bitsandbytes imported
 
 
+def default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_a_tiny_lora_run_stopped_by_ctrl_c_prints_only_our_lines(tmp_path, tiny_config, shapes_dir):
     logs = tmp_path / "logs"
-    signal = "lightning.callbacks.fault={target: test_signals.SendSignal, params: {at_step: 1}}"
+    ctrl_c = "lightning.callbacks.fault={target: test_signals.SendSignal, params: {at_step: 2}}"
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
-    args += ["model.params.lora={rank: 2}", "lightning.trainer.max_steps=3", signal]
+    args += ["model.params.lora={rank: 2}", "lightning.trainer.max_steps=4", ctrl_c]
     args += ["-l", str(logs), "-t"]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # test_signals.SendSignal
-    result = run_main(args, cwd=tmp_path, env=env)
+    # SIGINT as a terminal gives it, also where pytest runs in a background job (which ignores it)
+    result = run_main(args, cwd=tmp_path, env=env, preexec_fn=default_sigint)
     assert result.returncode == 130, result.stderr[-3000:]  # stopped by SIGINT, saved
     lines = (result.stdout + result.stderr).splitlines()
     assert [line for line in lines if any(noise in line for noise in NOISE)] == []
