@@ -121,14 +121,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from lun import quiet
+
+    quiet.install()  # before the heavy imports: bitsandbytes prints at import
     if "--inspect" in argv:  # the dataset report: same config merge, no model, no run folder
         from lun.data.dataset_report import main as inspect_data
 
         return inspect_data([a for a in argv if a != "--inspect"])
     opt, dotlist = parse_args(argv)
-    from lun import quiet
-
-    quiet.install()  # before the heavy imports: bitsandbytes prints at import
     # Our loggers only: Lightning prints its own messages through its own handler.
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
