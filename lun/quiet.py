@@ -38,6 +38,8 @@ WARNED = [
     r"Found \d+ module\(s\) in eval mode at the start of training",
     # A config without a validation split: the model has a validation_step for those that do.
     r"You defined a `validation_step` but have no `val_dataloader`",
+    # A small folder (a tiny config on a few images): our progress line reports every step.
+    r"The number of training batches \(\d+\) is smaller than the logging interval",
 ]
 
 
