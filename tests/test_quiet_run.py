@@ -8,15 +8,19 @@
   untouched.
 """
 
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 from run_helpers import ROOT, run_main, run_main_here
+
+from lun import quiet
 
 # What Lightning, torch and bitsandbytes printed on the tiny LoRA run stopped by Ctrl-C, before
 # lun/quiet.py (issue 28), in their words.
@@ -109,3 +113,20 @@ def test_help_shows_resume_with_t():
     )
     resume = [line for line in result.stdout.splitlines() if "--resume logs/<run>" in line]
     assert resume and all(" -t" in line for line in resume), result.stdout
+
+
+def test_only_the_known_messages_are_dropped(caplog):
+    """By their text: another warning, or another message of the same logger, still shows."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet.install()
+        warnings.warn(
+            "Found 138 module(s) in eval mode at the start of training. This may ...", stacklevel=1
+        )
+        warnings.warn("Found a problem of our own", stacklevel=1)
+    assert [str(w.message) for w in seen] == ["Found a problem of our own"]
+    bnb = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    with caplog.at_level(logging.WARNING):
+        bnb.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module ...")
+        bnb.warning("Failed to load something else")
+    assert caplog.messages == ["Failed to load something else"]
