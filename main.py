@@ -1,7 +1,8 @@
 """Train a latent diffusion model from YAML configs.
 
 python main.py --base configs/a.yaml configs/b.yaml key.path=value -t
-python main.py --resume logs/<run>            # continue where it stopped
+python main.py --resume logs/<run> -t         # continue where it stopped
+python main.py --base configs/a.yaml             # without -t: build and check, write nothing
 """
 
 import argparse
@@ -40,7 +41,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         "`~key.path` deletes a key of the merged files",
     )
     parser.add_argument(
-        "-t", "--train", action="store_true", help="train (otherwise only build and check)"
+        "-t",
+        "--train",
+        action="store_true",
+        help="train (otherwise only build and check the config; no run folder)",
     )
     parser.add_argument(
         "-n", "--name", default="", help="run name (default: first config's file name)"
@@ -117,6 +121,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    from lun import quiet
+
+    quiet.install()  # before the heavy imports: bitsandbytes prints at import
     if "--inspect" in argv:  # the dataset report: same config merge, no model, no run folder
         from lun.data.dataset_report import main as inspect_data
 
@@ -183,7 +190,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     resume = opt.resume or legacy or (opt.validate_only if opt.validate_only is not True else "")
     if resume:
         resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
-        run_dir, ckpt_path = resume_target(resume)
+        verb = "validating" if opt.validate_only else "resuming from"
+        verb = verb if opt.train or opt.validate_only else "would resume from"
+        run_dir, ckpt_path = resume_target(resume, verb)
         from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
 
         check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
@@ -250,6 +259,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     if opt.validate_only:  # before the run folder: validating writes nothing there
         from lun.validate_only import validate_checkpoint
 
+        if ckpt_path is None:
+            print("validating the weights the config builds")
+
         return validate_checkpoint(
             model, data, lightning_cfg, ckpt_path, opt.out, opt.raw_weights, opt.unsafe_load
         )
@@ -260,9 +272,12 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         from lun.memory import plan_run
 
         plan = plan_run(model, data, trainer, opt.host_memory, opt.device_memory)
-        print(plan.table())
+        print(plan.table() if opt.plan or plan.tight() else plan.line())
         plan.check()
     if opt.plan:
+        return 0
+    if not opt.train:  # a check writes nothing: no run folder, a resumed run untouched
+        print("config checked; add -t to train")
         return 0
     if is_rank_zero():
         run_dir.create()
@@ -272,8 +287,6 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         if remote is not None:
             remote.sync()
         print(f"run folder: {remote.url if remote else run_dir.root}")
-    if not opt.train:
-        return 0
     try:
         trainer.fit(
             model,

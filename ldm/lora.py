@@ -12,6 +12,7 @@ Checkpoint key rules live in `ldm.checkpoint`, kohya / diffusers names in `ldm.l
 
 import dataclasses
 import functools
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -19,7 +20,9 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ldm import checkpoint, lora_fast, lora_kohya
+from ldm import checkpoint, lora_kohya
+
+log = logging.getLogger(__name__)
 
 ADAPTER = "default"  # peft's adapter name for the adapters we train
 # Layers per target group, by the end of their CompVis name (UNetModel / SpatialTransformer).
@@ -224,6 +227,22 @@ def _is_lora_layer(module: nn.Module) -> bool:
     return isinstance(module, LoraLayer)
 
 
+def summary(model: nn.Module, settings: LoraSettings, conv_rank: int | None) -> str:
+    """One line: which modules got adapters, their rank and the trainable parameters."""
+    unet = sum(_is_lora_layer(m) for m in model.model.modules())
+    text = sum(_is_lora_layer(m) for m in model.conditioner.modules())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    where = f"{unet} UNet layers ({', '.join(settings.targets)})"
+    where += f" + {text} text encoder layers" if text else ""
+    rank = f"rank {settings.rank}" + (f", conv rank {conv_rank}" if conv_rank else "")
+    kind = "DoRA" if settings.dora else "LoRA"
+    return (
+        f"{kind}: adapters on {where}, {rank}, alpha {settings.alpha or settings.rank}; "
+        f"{trainable:,} trainable parameters ({100 * trainable / total:.2f} % of {total:,})"
+    )
+
+
 def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     """Freeze `model` (a LatentDiffusion) and add trainable adapters as `settings` say."""
     model.requires_grad_(False)
@@ -249,7 +268,10 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
         param.requires_grad_(checkpoint.is_adapter_name(name))
         if param.requires_grad:
             param.data = param.data.float()  # adapters in fp32 whatever the base's dtype
+    from ldm import lora_fast  # imports peft (and bitsandbytes): only where adapters are made
+
     lora_fast.use_fast_forward(model)  # plain LoRA Linear layers: one GEMM for the update
+    log.info(summary(model, settings, conv_rank if any(is_3x3.values()) else None))
     # Files in the original layout (ours, original SD) load into peft's names. Registered after
     # LatentDiffusion's own hook, which accepts the text encoder's forms first.
     model.register_load_state_dict_pre_hook(

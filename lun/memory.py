@@ -71,6 +71,9 @@ STATES_PER_WEIGHT = {
     "Adagrad": 1,
     "Lion": 1,
 }
+# A plan whose peak takes more than this share of a budget is printed as the whole table (the
+# parts say what to shrink); below it one line, and `main.py --plan` shows the table.
+TIGHT = 0.8
 # Gradient checkpointing cut this UNet's activation memory by 76 % (README, Benchmarks).
 CHECKPOINTING_SAVES = 0.75
 
@@ -180,6 +183,26 @@ class MemoryPlan:
         for name, cells, detail in rows:
             lines.append(f"  {name:<{width}}" + "".join(f"{c:>11}" for c in cells) + f"  {detail}")
         return "\n".join(line.rstrip() for line in lines)
+
+    def budget(self, place: str) -> int | None:
+        return self.host_budget if place == HOST else self.device_budget
+
+    def tight(self) -> bool:
+        """A peak over TIGHT of its budget: worth the whole table."""
+        return any(
+            self.budget(pl) and self.peak(pl) > TIGHT * self.budget(pl) for pl in self.places()
+        )
+
+    def line(self) -> str:
+        """The plan in one line: each place's peak and its budget."""
+        peaks = []
+        for place in self.places():
+            what = "host RAM" if place == HOST else f"{self.device} memory"
+            budget = self.budget(place)
+            peaks.append(
+                f"{_gib(self.peak(place))} {what}" + (f" of {_gib(budget)}" if budget else "")
+            )
+        return f"memory plan: peak {', '.join(peaks)} (--plan shows the parts)"
 
     def to_dict(self) -> dict:
         return {

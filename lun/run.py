@@ -101,11 +101,12 @@ def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:
     return RunDir(Path(logdir) / f"{timestamp}_{name}{postfix}")
 
 
-def resume_target(resume: str) -> tuple[RunDir, Path]:
+def resume_target(resume: str, verb: str = "resuming from") -> tuple[RunDir, Path]:
     """`--resume` takes a run folder or a checkpoint inside one (a file, or the folder DeepSpeed
     and sharded FSDP write). From a run folder it takes the newest complete checkpoint in
     `checkpoints/` (highest step; the newest file on a tie), which is `on_exception.ckpt` after a
-    crash or Ctrl-C later than the last periodic save, and still found if `last.ckpt` is not."""
+    crash or Ctrl-C later than the last periodic save, and still found if `last.ckpt` is not.
+    `verb` says what the launcher does with it ("validating" for --validate-only)."""
     path = Path(resume)
     if not path.exists():
         raise ConfigError(f"--resume: '{resume}' does not exist")
@@ -119,7 +120,7 @@ def resume_target(resume: str) -> tuple[RunDir, Path]:
         ckpt, step = newest_checkpoint(path / "checkpoints")
         found = f"step {step}, the newest complete checkpoint of the run"
     if is_rank_zero():
-        log.info(f"resuming from {ckpt} ({found})")
+        log.info(f"{verb} {ckpt} ({found})")
     return RunDir(root), ckpt
 
 

@@ -204,4 +204,7 @@ def _main(opt, dotlist, argv) -> int:
 
 
 if __name__ == "__main__":
+    from lun import quiet
+
+    quiet.install()  # known third-party noise (lun/quiet.py)
     sys.exit(main())

@@ -17,4 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lun.data.dataset_report import main  # noqa: E402
 
 if __name__ == "__main__":
+    from lun import quiet
+
+    quiet.install()  # known third-party noise (lun/quiet.py)
     sys.exit(main())

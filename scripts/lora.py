@@ -122,4 +122,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from lun import quiet
+
+    quiet.install()  # known third-party noise (lun/quiet.py)
     main()

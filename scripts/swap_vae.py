@@ -152,4 +152,7 @@ def write_diffusers(vae: dict, folder: Path, dtype, scaling_factor: float, size:
 
 
 if __name__ == "__main__":
+    from lun import quiet
+
+    quiet.install()  # known third-party noise (lun/quiet.py)
     sys.exit(main())

@@ -28,8 +28,15 @@ from lun.config import check_complete, merge_configs, to_container
 from lun.strategies import load_training_checkpoint
 
 TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
+
+
+def trains_a_vae(path: Path) -> bool:
+    """A config whose model is an autoencoder (configs/autoencoder, configs/tiny/vae.yaml)."""
+    return "autoencoder" in str(OmegaConf.select(OmegaConf.load(path), "model.target", default=""))
+
+
 # The autoencoder configs train another module (no UNet): tests/test_vae_launcher.py runs them.
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if p.parent.name != "autoencoder")
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
 # A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
 TINY_WIDTH = 32
 
@@ -168,10 +175,16 @@ def save_tiny_checkpoint(bases: list, overrides: list[str], path: Path) -> dict:
     return state
 
 
+def is_overlay(config: Path) -> bool:
+    """Model settings without a model (configs/tiny/lora.yaml): merged after configs/tiny/ldm.yaml."""
+    own = OmegaConf.load(config)
+    return "model" in own and "target" not in own.model
+
+
 def is_inference_config(config: Path) -> bool:
     """A model without data (the original v1/v2 inference configs)."""
     own = OmegaConf.load(config)
-    return "model" in own and "data" not in own
+    return "model" in own and "data" not in own and not is_overlay(config)
 
 
 def launcher_args(
@@ -181,6 +194,8 @@ def launcher_args(
     own = OmegaConf.load(config)
     if "model" not in own:  # a strategy preset: merged after a model config
         assert set(own) == {"lightning"}, f"{config}: neither a model config nor a preset"
+        bases = [TINY, config]
+    elif is_overlay(config):
         bases = [TINY, config]
     elif is_inference_config(config):  # give it data and a trainer
         bases = [config, tiny_data_and_trainer(tmp_path)]

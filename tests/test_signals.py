@@ -226,7 +226,9 @@ def test_stale_temporaries_are_removed_when_a_run_resumes(finished_run, tmp_path
     for path in (old_folder, old_folder / "checkpoint", old_folder / "checkpoint" / "shard.pt"):
         os.utime(path, (two_hours_ago, two_hours_ago))
 
-    result = launch(["-r", str(run)], tmp_path)  # no -t: the run folder is set up, no training
+    # -t at the run's max_steps: the run folder is set up, no step trained (without -t a check
+    # touches nothing: tests/test_newcomer.py)
+    result = launch(["-r", str(run), "-t"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not killed.exists() and not old_folder.exists()
     assert writing.exists() and new_folder.exists() and not_ours.exists()

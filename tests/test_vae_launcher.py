@@ -1,9 +1,10 @@
-"""Every configs/autoencoder/*.yaml trains 2 steps through the launcher at toy size."""
+"""Every autoencoder config (configs/autoencoder/*.yaml, configs/tiny/vae.yaml) trains 2 steps through the launcher at toy size."""
 
 from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from run_helpers import run_main, run_main_here
 from safetensors.torch import save_file
 
@@ -11,7 +12,11 @@ from ldm.autoencoder import AutoencoderKL
 from ldm.autoencoder_training import autoencoder_kl
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted((ROOT / "configs" / "autoencoder").glob("*.yaml"))
+CONFIGS = sorted(  # the configs whose model is an autoencoder, wherever they are
+    p
+    for p in (ROOT / "configs").glob("**/*.yaml")
+    if "autoencoder" in str(OmegaConf.select(OmegaConf.load(p), "model.target", default=""))
+)
 DDCONFIG = dict(
     double_z=True, z_channels=4, resolution=32, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
     num_res_blocks=1, attn_resolutions=[], dropout=0.0,

@@ -145,6 +145,7 @@ def test_validate_only_prints_the_figures_and_leaves_the_run_folder(
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     assert "(raw weights)" in raw.stdout
+    assert f"validating {trained_run / 'checkpoints'}" in raw.stderr  # not "resuming from"
     assert f"{figures['val/loss']:.6g}" not in raw.stdout
     # Without a validation set: one line, exit status 2.
     bare = run_main(["--validate-only", str(trained_run)], cwd=tmp_path, timeout=900)

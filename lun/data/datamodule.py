@@ -218,7 +218,10 @@ class DataModule(L.LightningDataModule):
                     from lun.data.latent_cache import CachedLatents
 
                     self.datasets[split] = CachedLatents(self.datasets[split], self.cache)
-                if split == "validation" and "train" in self.datasets:
+                # When the second of the two is built, whichever it is (lun.trainer builds
+                # validation first, Lightning's `fit` train first).
+                other = {"train": "validation", "validation": "train"}.get(split)
+                if other in self.datasets:
                     check_held_out(self.datasets["train"], self.datasets["validation"])
 
     def batch_size(self, split: str = "train") -> int:

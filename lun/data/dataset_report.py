@@ -364,6 +364,7 @@ def inspect_split(name, dataset, *, batch_size, world_size, seed, encoders, deco
         report["counts"] = _counts(dataset)  # with the items that failed to decode
         failed = dataset.bad_input.failed
         report["counts"]["unreadable_at_load"] = int(failed.sum()) if failed is not None else 0
+        report["items"] = report["images"]["decoded"]  # the headline: what training can read
     if local:
         report["captions"] = caption_report(dataset, encoders, progress)
     report["scores"] = score_report(dataset)
@@ -377,7 +378,11 @@ def summary(report: dict) -> str:
     lines = [f"dataset report of {report['config']}"]
     for split in report["splits"]:
         name = split["name"]
-        lines.append(f"\n{name} ({split['type']}): {split['items']} usable items")
+        head = f"\n{name} ({split['type']}): {split['items']} usable items"
+        undecodable = len((split.get("images") or {}).get("unreadable", []))
+        if undecodable:  # --decode read them all: the index's count less what failed
+            head += f" ({undecodable} of the {split['items'] + undecodable} indexed could not be decoded)"
+        lines.append(head)
         lines += [f"  note: {note}" for note in split["notes"]]
         counts = split["counts"]
         if counts is not None:

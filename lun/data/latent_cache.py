@@ -234,6 +234,13 @@ class CachedLatents(Dataset):
         self.keys, self.substitute = self._check_entries()
         self.text_fields = self.index.get("text_fields", [])
         self._files = {}  # shard name -> safe_open handle, opened lazily in each process
+        logger.info(
+            "training from latent cache %s (%d entries, %d items%s)",
+            self.cache_dir,
+            len(self.index["entries"]),
+            len(dataset),
+            ", text encoder outputs cached" if self.text else "",
+        )
 
     def _check_entries(self) -> tuple[list, dict]:
         """Every item's keys, recomputed from its file and caption now; ValueError counting the

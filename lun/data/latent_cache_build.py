@@ -65,12 +65,16 @@ class Plan:
     text_fields: list[str] = field(default_factory=list)
     made_with: list[str] = field(default_factory=list)
 
+    def to_encode(self, kind: str) -> int:
+        """Images ("image") or distinct captions ("text") this run encodes."""
+        return sum(unit.kind == kind for _, units in self.shards for unit in units)
+
     def summary(self) -> str:
-        todo = sum(len(units) for _, units in self.shards)
         why = ", ".join(f"{n} {r}" for r, n in sorted(self.reasons.items())) or "nothing changed"
+        images, texts = self.to_encode("image"), self.to_encode("text")
         return (
             f"cache {self.cache_dir}: {len(self.items)} items; {len(self.kept)} entries valid, "
-            f"{todo} to encode in {len(self.shards)} shards ({why})"
+            f"{images} images and {texts} captions to encode in {len(self.shards)} shards ({why})"
         )
 
 
@@ -304,12 +308,21 @@ def finish(plan: Plan) -> bool:
                 removed += 1
             except FileNotFoundError:  # another rank finished at the same moment
                 pass
+    # In the summary's terms: of its images to encode, the unreadable ones are left out (the
+    # index lists them); an entry is one latent (two per image with flips) or one caption.
+    images = plan.to_encode("image")
     logger.info(
-        "cache %s: index written: %d entries in %d shards, %d unreadable images%s",
+        "cache %s: encoded %d of %d images (%d unreadable, left out) and %d captions; "
+        "index written: %d entries (%d kept, %d new) in %d shards%s",
         folder,
-        len(entries),
-        len(used),
+        images - len(failed),
+        images,
         len(failed),
+        plan.to_encode("text"),
+        len(entries),
+        len(plan.kept),
+        len(entries) - len(plan.kept),
+        len(used),
         f", {removed} unused shards removed" if removed else "",
     )
     return True

@@ -302,6 +302,22 @@ class Local(torch.utils.data.Dataset):
                 logger.info("%s: filtered out %s", self.data_root, why)
             return [TAG_JOINER.join(tags) for tags in tag_lists]
         keep = []
+        uncaptioned = records["caption"].count(None)
+        if (
+            uncaptioned
+            and uncaptioned == len(records["caption"])
+            and self.missing_caption != "skip"
+        ):
+            # A folder of images alone (a class or a style): one line, not one per image.
+            logger.warning(
+                "%s: no image has a caption: all %d train with an empty caption (the caption "
+                "of images/a.png is captions/a.txt or images/a.txt)",
+                self.data_root,
+                uncaptioned,
+            )
+            self.bad_input.warned["no caption"] += uncaptioned
+            self.counts["noted"]["no caption (trained with an empty caption)"] += uncaptioned
+            return records["caption"]
         for row, (image, caption) in enumerate(zip(records["image"], records["caption"])):
             if caption is None:
                 path = os.path.join(self.data_root, image)

@@ -199,3 +199,16 @@ def test_launcher_plans_without_a_run_folder_and_stops_over_budget(
     assert "of host RAM, the limit is 102.4 MiB" in errors[-1]
     assert "Traceback" not in over.stderr
     assert not (tmp_path / "logs").exists()  # stopped before the run folder
+
+
+def test_the_plan_is_one_line_unless_a_peak_is_over_80_percent_of_its_budget():
+    from lun.memory import ACTIVATIONS, HOST, MemoryPlan, Part
+
+    parts = [Part("weights", 50 * 2**20, HOST), Part(ACTIVATIONS, 30 * 2**20, HOST)]
+    roomy = MemoryPlan(parts, device="cpu", host_budget=2**30)  # 80 MiB of 1 GiB
+    assert not roomy.tight()
+    assert (
+        roomy.line() == "memory plan: peak 80.0 MiB host RAM of 1.00 GiB (--plan shows the parts)"
+    )
+    assert MemoryPlan(parts, device="cpu", host_budget=90 * 2**20).tight()  # 80 of 90 MiB: 89 %
+    assert not MemoryPlan(parts, device="cpu", host_budget=101 * 2**20).tight()  # 79 %

@@ -39,6 +39,23 @@ def test_images_without_caption_are_kept_empty_with_a_warning_or_skipped(flat_fo
         Local(str(flat_folder), cache_dir=False, missing_caption="drop")
 
 
+def test_a_folder_without_any_caption_says_so_in_one_line(flat_folder, caplog):
+    """A folder of images alone (6 here): one line, not a note per image; still 6 with none."""
+    for caption in (flat_folder / "captions").rglob("*.txt"):
+        caption.unlink()
+    for caption in flat_folder.rglob("*.txt"):  # captions beside the images
+        caption.unlink()
+    with caplog.at_level(logging.INFO, logger="lun.data"):
+        dataset = Local(str(flat_folder), size=16, cache_dir=False)
+    assert _captions(dataset) == [""] * 6
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if "caption" in m] == [
+        f"{flat_folder}: no image has a caption: all 6 train with an empty caption (the caption "
+        "of images/a.png is captions/a.txt or images/a.txt)",
+        f"{flat_folder}: 6 usable items; 6 with no caption",
+    ]
+
+
 def test_legacy_caption_dropout_reaches_the_model_and_the_dataset_keeps_captions(
     flat_folder, tmp_path
 ):

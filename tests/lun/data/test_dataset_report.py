@@ -198,6 +198,15 @@ def test_decoded_images_modes_duplicates_and_unreadable_files(flat_report):
     assert (out / "summary.txt").read_text().startswith("dataset report of")
 
 
+def test_the_headline_counts_what_decode_could_read(flat_report):
+    """9 files: zero.png dropped at indexing, broken.png indexed but not decodable: 7."""
+    report, out = flat_report
+    (split,) = report["splits"]
+    assert split["items"] == 7
+    head = "data.train (Local): 7 usable items (1 of the 8 indexed could not be decoded)"
+    assert head in (out / "summary.txt").read_text().splitlines()
+
+
 def test_near_duplicate_groups_by_hamming_distance():
     base = 0x0123_4567_89AB_CDEF
     hashes = [base, base ^ 0b1011, base ^ (1 << 63), ~base & (2**64 - 1), base ^ 0xFF00]

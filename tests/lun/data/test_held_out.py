@@ -63,6 +63,43 @@ def test_a_validation_set_inside_the_training_set_is_named(folder, caplog):
     assert "data.params.validation: 3 of its 3 images are also training images" in caplog.text
 
 
+@pytest.mark.parametrize(
+    "stages", [("fit",), ("validate", "fit")], ids=["train-first", "val-first"]
+)
+def held_out_config(folder) -> dict:
+    """The DataModule config of translunar-diffusion's shape: validation is every 4th image of
+    the training folder, which trains on all of them."""
+    local = {"data_root": str(folder), "size": 16, "cache_dir": False}
+    return {
+        "train": {"target": "lun.data.local.Local", "params": {**local, "metadata_params": {}}},
+        "validation": {
+            "target": "lun.data.local.Local",
+            "params": {**local, "metadata_params": {"consider_every_nth": 4}},
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "stages", [("fit",), ("validate", "fit")], ids=["train-first", "val-first"]
+)
+def test_the_overlap_is_named_once_whichever_split_is_built_first(folder, caplog, stages):
+    """Lightning's `fit` builds train then validation; the launcher (lun.trainer.build_data)
+    builds validation first: both name the 3 shared images (0, 4, 8), once."""
+    data = DataModule(**held_out_config(folder), seed=0)
+    with caplog.at_level(logging.WARNING, logger="lun.data"):
+        for stage in stages:
+            data.setup(stage)
+    assert caplog.text.count("3 of its 3 images are also training images") == 1
+
+
+def test_the_launcher_names_the_overlap(folder, caplog):
+    from lun.trainer import build_data
+
+    with caplog.at_level(logging.WARNING, logger="lun.data"):
+        build_data({"target": "lun.data.DataModule", "params": held_out_config(folder)})
+    assert "data.params.validation: 3 of its 3 images are also training images" in caplog.text
+
+
 def test_exclude_every_nth_values_are_checked():
     with pytest.raises(ValueError, match="exclude_every_nth: give it or consider_every_nth"):
         MetadataParams.from_config({"exclude_every_nth": 4, "consider_every_nth": 4})

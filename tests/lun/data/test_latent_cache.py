@@ -147,6 +147,39 @@ def test_a_changed_image_or_caption_invalidates_exactly_its_entries(tiny_config,
     cached.check_model(model)
 
 
+def test_a_run_from_the_cache_says_so(made, caplog):
+    root, cache = made
+    with caplog.at_level(logging.INFO, logger="lun.data"):
+        CachedLatents(train_config(root), str(cache))
+    # 8 images x 2 orientations (flip_p 0.5) + 8 captions
+    expected = (
+        f"training from latent cache {cache} (24 entries, 8 items, text encoder outputs cached)"
+    )
+    assert expected in caplog.messages
+
+
+def test_the_cache_counts_add_up_with_an_unreadable_image(tiny_config, own_copy, caplog, capsys):
+    """Planned: 2 images (one now truncated, one changed) and 1 caption; written: 1 image's two
+    orientations and the caption, the truncated image left out and counted."""
+    folder, out = own_copy
+    png = (folder / "images" / "2.png").read_bytes()
+    (folder / "images" / "2.png").write_bytes(png[: len(png) // 2])  # header kept: decode fails
+    Image.new("RGB", SIZES[3], (9, 99, 199)).save(folder / "images" / "3.png")
+    (folder / "captions" / "5.txt").write_text("another caption")
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="lun.data"):
+        assert make_cache(tiny_config, folder, out, *CACHE_ARGS) == 0
+    # kept: 24 entries less images 2 and 3 (2 latents each) and caption 5's old text = 19
+    said = capsys.readouterr().out
+    assert "8 items; 19 entries valid, 2 images and 1 captions to encode" in said
+    expected = (
+        f"cache {out}: encoded 1 of 2 images (1 unreadable, left out) and 1 captions; "
+        "index written: 22 entries (19 kept, 3 new) in "
+    )
+    assert any(m.startswith(expected) for m in caplog.messages), caplog.messages
+    assert len(read_index(str(out))["entries"]) == 22
+
+
 @pytest.mark.slow
 def test_a_crashed_cache_run_resumes_to_the_same_cache(tiny_config, made, tmp_path, monkeypatch):
     """An exception after the first shard (the fault a kill leaves: whole shards on disk, no
