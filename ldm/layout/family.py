@@ -82,7 +82,10 @@ def diffusers_family(folder: str | Path) -> str | None:
             text = json.loads((folder / "text_encoder" / "config.json").read_text())
         except (OSError, ValueError):
             return None
-        return SD2 if text.get("hidden_act") == "gelu" else SD1
+        # transformers' CLIPTextConfig default is quick_gelu; anything else is left to the
+        # folder reader (ldm.diffusers_layout), which names the file and the value
+        act = text.get("hidden_act", "quick_gelu")
+        return {"gelu": SD2, "quick_gelu": SD1}.get(act)
     return None
 
 
