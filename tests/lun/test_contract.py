@@ -26,7 +26,7 @@ def test_latent_diffusion_satisfies_the_contract(tiny_config):
     assert isinstance(model, LatentDiffusion) and isinstance(model, TrainableModule)
     assert model.ema_module is model.model
     assert model.latent_shape(32, 16) == (4, 16, 8)  # 2-level VAE: 2x smaller, 4 channels
-    assert model.default_image_size == 16  # image_size 8 (latent) x 2
+    assert model.default_image_size == 32  # image_size 16 (latent) x 2
     images = model.eval().log_images({"caption": ["a", "b"]}, N=2, steps=1)
     assert images["samples"].shape == (2, 3, 16, 16)
 
