@@ -28,7 +28,7 @@ def test_latent_diffusion_satisfies_the_contract(tiny_config):
     assert model.latent_shape(32, 16) == (4, 16, 8)  # 2-level VAE: 2x smaller, 4 channels
     assert model.default_image_size == 32  # image_size 16 (latent) x 2
     images = model.eval().log_images({"caption": ["a", "b"]}, N=2, steps=1)
-    assert images["samples"].shape == (2, 3, 16, 16)
+    assert images["samples"].shape == (2, 3, 32, 32)  # at the default size
 
 
 def test_lun_uses_only_the_contract_of_pl_module():
