@@ -33,6 +33,12 @@ def test_loss_is_the_velocity_mse_at_time_t_over_1000():
     """loss_at against the formula written out: x_t = (1 - t) z + t e, target e - z, and the
     backbone sees t * 1000 (SD3)."""
     model = tiny_flow_model().eval()
+    with (
+        torch.no_grad()
+    ):  # SD's UNet starts with a zero output layer: make the output depend on x_t
+        g = torch.Generator().manual_seed(1)
+        for p in model.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
     batch = fixed_batch()
     z, noise = batch["latent"], torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
     cond = model.conditioning(batch)
@@ -42,6 +48,18 @@ def test_loss_is_the_velocity_mse_at_time_t_over_1000():
         x_t = torch.stack([0.75 * z[0] + 0.25 * noise[0], 0.1 * z[1] + 0.9 * noise[1]])
         by_hand = ((model.backbone(x_t, t, cond) - (noise - z)) ** 2).mean(dim=(1, 2, 3))
     torch.testing.assert_close(loss, by_hand)
+
+
+def test_training_draws_logit_normal_times_in_backbone_units():
+    """diffusion_loss draws t ~ sigmoid(N(0, 1)) (the config) and returns it as the backbone sees
+    it, t * 1000: a median near sigmoid(0) * 1000 = 500."""
+    model = tiny_flow_model()
+    batch = fixed_batch()
+    batch = {"latent": batch["latent"].repeat(32, 1, 1, 1), "caption": CAPTIONS * 32}
+    with torch.no_grad():
+        _, _, t = model.diffusion_loss(batch, torch.Generator().manual_seed(0))
+    assert t.dtype == torch.float32 and 0 < t.min() and t.max() < 1000
+    assert 400 < t.median() < 600, t.median()
 
 
 def test_flow_refuses_ddpm_only_settings():
