@@ -3,6 +3,7 @@ loss is the velocity MSE of the paper, it falls on a fixed batch, and txt2img sa
 
 from pathlib import Path
 
+import img2img
 import pytest
 import torch
 import txt2img
@@ -106,8 +107,8 @@ def test_training_with_flow_lowers_the_loss(trained):
     assert after < 0.6 * before, (before, after)
 
 
-def generate(run: Path, out: Path, *extra: str) -> list[Path]:
-    txt2img.main(
+def generate(run: Path, out: Path, *extra: str, script=txt2img) -> list[Path]:
+    script.main(
         [
             *("--ckpt", str(run / "model.ckpt"), "--config", str(run / "config.yaml")),
             *("--outdir", str(out), "--steps", "4", "--H", "16", "--W", "16"),
@@ -119,17 +120,33 @@ def generate(run: Path, out: Path, *extra: str) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_txt2img_samples_the_flow_model(trained, tmp_path):
+def test_txt2img_and_img2img_sample_the_flow_model(trained, tmp_path):
     model, _, _, run = trained
     first = generate(run, tmp_path / "a", "--sampler", "euler")
-    again = generate(run, tmp_path / "b", "--sampler", "euler")
-    heun = generate(run, tmp_path / "c", "--sampler", "heun")
     assert len(first) == 1 and Image.open(first[0]).size == (16, 16)
-    assert first[0].read_bytes() == again[0].read_bytes()  # same seed, same image
-    assert first[0].read_bytes() != heun[0].read_bytes()
-    images = model.sample(
-        CAPTIONS, height=16, width=16, steps=3, generator=torch.Generator().manual_seed(1)
+    # img2img from that sample: the last 2 of 4 flow steps from the noised image
+    start = generate(
+        run, tmp_path / "d", "--init-img", str(first[0]), "--strength", "0.5", script=img2img
     )
-    assert images.shape == (2, 3, 16, 16) and images.isfinite().all()
+    assert Image.open(start[0]).size == (16, 16)
+    assert start[0].read_bytes() != first[0].read_bytes()
+
+
+@pytest.mark.slow
+def test_sampling_is_finite_and_seeded(trained):
+    model = trained[0]
+
+    def images(sampler: str, seed: int = 1):
+        generator = torch.Generator().manual_seed(seed)
+        return model.sample(
+            CAPTIONS, height=16, width=16, sampler=sampler, steps=3, generator=generator
+        )
+
+    euler = images("euler")
+    assert euler.shape == (2, 3, 16, 16) and euler.isfinite().all()
+    assert torch.equal(euler, images("euler"))  # same seed, same images
+    assert torch.equal(euler, images("ddim"))  # DDIM is the flow Euler step
+    assert not torch.equal(euler, images("heun"))
+    assert not torch.equal(euler, images("euler", seed=2))
     with pytest.raises(ValueError, match="flow sampler"):
-        model.sample(CAPTIONS, height=16, width=16, sampler="dpmpp_2m", steps=2)
+        images("dpmpp_2m")
