@@ -493,8 +493,11 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
-        # A learned-variance sampler (ddpm_learned) reads the variance half too.
-        if self.flow is not None:
+        if self.flow is not None:  # rectified flow: its own samplers (ldm.flow)
+            if karras or eta:
+                raise ValueError(
+                    "karras and eta are DDPM sampler options: leave them out for a flow model"
+                )
             latents = flow.sample(
                 self.predict,
                 noise,
@@ -509,6 +512,7 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
                 num_train_timesteps=self.num_timesteps,
             )
             return self.decode_first_stage(latents).clamp(-1, 1)
+        # A learned-variance sampler (ddpm_learned) reads the variance half too.
         learned = getattr(sampling.SAMPLER_SPECS.get(sampler), "learned_variance", False)
         if learned and not self.learn_sigma:
             raise ValueError(f"sampler {sampler!r} needs a model with learn_sigma: true")

@@ -150,3 +150,5 @@ def test_sampling_is_finite_and_seeded(trained):
     assert not torch.equal(euler, images("euler", seed=2))
     with pytest.raises(ValueError, match="flow sampler"):
         images("dpmpp_2m")
+    with pytest.raises(ValueError, match="karras"):
+        model.sample(CAPTIONS, height=16, width=16, steps=2, karras=True)
