@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from ldm import checkpoint, sampling, vlb
+from ldm import checkpoint, flow, sampling, vlb
 from ldm import lora as lora_module
 from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
@@ -59,8 +59,10 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
             (v1), `FrozenOpenCLIPEmbedder` (v2)) or `ldm.conditioning.ClassLabels`; it owns the
             caption / label dropout for classifier-free guidance (its `ucg_rate`).
         parameterization: what the backbone predicts: "eps" (noise; SD 1.x, 2.x-base) or "v"
-            (velocity, Salimans & Ho 2022; SD 2.x-768).
-        schedule: the DDPM noise schedule, arguments of `ldm.schedule.schedule_betas`:
+            (velocity, Salimans & Ho 2022; SD 2.x-768) or "flow" (rectified flow, the velocity
+            e - x_0 of x_t = (1 - t) x_0 + t e; SD3: `ldm.flow`).
+        schedule: for "flow", how t is drawn and shifted (`ldm.flow.FlowSchedule`:
+            timestep_sampling, logit_mean, logit_std, mode_scale, shift). Otherwise the DDPM noise schedule, arguments of `ldm.schedule.schedule_betas`:
             `timesteps` (1000), `beta_schedule` ("linear" is SD's: linspace(sqrt(start),
             sqrt(end)) ** 2), `linear_start` (0.00085), `linear_end` (0.012), `cosine_s`,
             `zero_terminal_snr` (Lin et al. 2023, arXiv:2305.08891; use with "v").
@@ -122,9 +124,16 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
         compile_options = compile_arguments(compile_backbone) if compile_backbone else None
         self.sdpa_kernels = None if attention_kernels is None else sdpa_kernels(attention_kernels)
-        if parameterization not in ("eps", "v"):
-            raise ValueError(f"parameterization must be 'eps' or 'v', got '{parameterization}'")
+        if parameterization not in ("eps", "v", "flow"):
+            raise ValueError(
+                f"parameterization must be 'eps', 'v' or 'flow', got '{parameterization}'"
+            )
         self.parameterization = parameterization
+        # Rectified flow owns its time distribution; the DDPM buffers stay (default schedule)
+        # so that checkpoints and the fixed-t validation keep their shape: its step t is t/T.
+        self.flow = flow.FlowSchedule(**(schedule or {})) if parameterization == "flow" else None
+        if self.flow is not None and min_snr_gamma is not None:
+            raise ValueError("min_snr_gamma is a DDPM weighting: leave it out with 'flow'")
         self.scale_factor = scale_factor
         self.min_snr_gamma, self.offset_noise = min_snr_gamma, offset_noise
         self.learning_rate = learning_rate
@@ -140,9 +149,11 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         self._modules[self._conditioner_name] = conditioner
         self.first_stage_model.requires_grad_(False)
         self._check_geometry()
+        if self.flow is not None and self.learn_sigma:
+            raise ValueError("a learn_sigma backbone (DiT's VLB) cannot train with 'flow'")
         self.register_load_state_dict_pre_hook(checkpoint.load_state_dict_pre_hook)
 
-        betas = schedule_betas(**(schedule or {}))
+        betas = schedule_betas(**({} if self.flow else schedule or {}))
         self.num_timesteps = len(betas)
         self.validation_loss = FixedNoiseValidation(self.num_timesteps, TIMESTEP_BUCKETS)
         for name, value in schedule_buffers(betas).items():
@@ -293,7 +304,7 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         self.log("train/loss", per_sample.mean(), batch_size=batch_size)
         if self._trainer is not None and not self.trainer._logger_connector.should_update_logs:
             return loss  # the per-t losses need host reads: only on the steps that log
-        bucket = t * TIMESTEP_BUCKETS // self.num_timesteps
+        bucket = (t * TIMESTEP_BUCKETS // self.num_timesteps).long()  # t is float for flow
         for b in bucket.unique().tolist():
             lo, hi = (
                 b * self.num_timesteps // TIMESTEP_BUCKETS,
@@ -357,7 +368,10 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         cond = self.conditioning(batch, generator, drop=self.training)
 
         b = z.shape[0]
-        t = torch.randint(0, self.num_timesteps, (b,), generator=generator, device=z.device)
+        if self.flow is not None:  # continuous t in [0, 1], in the backbone's units t * T
+            t = self.flow.sample_t(b, generator, z.device) * self.num_timesteps
+        else:
+            t = torch.randint(0, self.num_timesteps, (b,), generator=generator, device=z.device)
         noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
         if self.offset_noise:
             noise = noise + self.offset_noise * torch.randn(
@@ -369,12 +383,16 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
     def loss_at(self, z, cond, t, noise, batch) -> torch.Tensor:
         """Per-sample loss (B,) of the latents z noised with `noise` at timesteps t."""
         b = z.shape[0]
-        a = self.sqrt_alphas_cumprod[t].view(b, 1, 1, 1)
-        s = self.sqrt_one_minus_alphas_cumprod[t].view(b, 1, 1, 1)
-        x_t = a * z + s * noise
-        target = (
-            noise if self.parameterization == "eps" else a * noise - s * z
-        )  # v = sqrt(abar) eps - sqrt(1-abar) x0
+        if self.flow is not None:  # t in backbone units: flow time t / T (ldm.flow)
+            x_t = flow.noised(z, noise, t / self.num_timesteps)
+            target = flow.velocity(z, noise)
+        else:
+            a = self.sqrt_alphas_cumprod[t].view(b, 1, 1, 1)
+            s = self.sqrt_one_minus_alphas_cumprod[t].view(b, 1, 1, 1)
+            x_t = a * z + s * noise
+            target = (
+                noise if self.parameterization == "eps" else a * noise - s * z
+            )  # v = sqrt(abar) eps - sqrt(1-abar) x0
 
         prediction = self.apply_model(x_t, t, cond)
         if self.learn_sigma:  # eps (or v), then the variance interpolation
@@ -475,6 +493,25 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
+        if self.flow is not None:  # rectified flow: its own samplers (ldm.flow)
+            if karras or eta:
+                raise ValueError(
+                    "karras and eta are DDPM sampler options: leave them out for a flow model"
+                )
+            latents = flow.sample(
+                self.predict,
+                noise,
+                sampler=sampler,
+                steps=steps,
+                shift=self.flow.shift,
+                cond=cond,
+                uncond=uncond,
+                scale=scale,
+                init_latent=init_latent,
+                strength=strength,
+                num_train_timesteps=self.num_timesteps,
+            )
+            return self.decode_first_stage(latents).clamp(-1, 1)
         # A learned-variance sampler (ddpm_learned) reads the variance half too.
         learned = getattr(sampling.SAMPLER_SPECS.get(sampler), "learned_variance", False)
         if learned and not self.learn_sigma:

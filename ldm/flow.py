@@ -1,0 +1,195 @@
+"""Rectified flow: the objective and its samplers (Esser et al. 2024, "Scaling Rectified Flow
+Transformers for High-Resolution Image Synthesis", arXiv:2403.03206 - Stable Diffusion 3).
+
+The forward process is a straight line from data to noise (sec. 2, eq. 3 with a_t = 1 - t, b_t = t):
+    x_t = (1 - t) x_0 + t e,    t in [0, 1],
+and the network predicts its velocity v = dx_t/dt = e - x_0 (the conditional flow matching loss,
+eq. 1). Sampling integrates dx/dt = v(x, t) from t = 1 (pure noise) to t = 0. The backbone sees
+the time as t * 1000 (SD3's convention), so any backbone made for DDPM steps works unchanged.
+
+Samplers are plain functions in the k-diffusion style, `sample_flow_xxx(model, x, sigmas,
+extra_args=None, callback=None)` with `model(x, sigma) -> velocity`; `sample()` builds the step
+schedule as diffusers' `FlowMatchEulerDiscreteScheduler` does (SD3's scheduler), adds
+classifier-free guidance and img2img. Random draws use only the `torch.Generator` passed in.
+"""
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ldm.sampling import classifier_free_guidance
+
+TIMESTEP_SAMPLINGS = ("logit_normal", "mode", "uniform")
+FLOW_SAMPLERS = ("euler", "heun")
+# DDIM with eta = 0 on x_t = (1 - t) x_0 + t e is exactly the flow Euler step (both keep the
+# predicted x_0 and e and move t), so the DDPM samplers' default name means flow Euler here.
+SAMPLER_ALIASES = {"ddim": "euler"}
+
+
+# --- the objective -----------------------------------------------------------------------------
+def noised(x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """x_t = (1 - t) x_0 + t e (eq. 3 of the paper with the rectified-flow choice a_t = 1 - t,
+    b_t = t); t (B,) in [0, 1]."""
+    t = t.to(x0.dtype).view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - t) * x0 + t * noise
+
+
+def velocity(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The training target: v = d x_t / dt = e - x_0."""
+    return noise - x0
+
+
+def shift_time(t: torch.Tensor, shift: float) -> torch.Tensor:
+    """The resolution-dependent shift (sec. 5.3.2): t' = shift t / (1 + (shift - 1) t), i.e.
+    sqrt(m/n) with m/n the ratio of pixel counts; SD3 uses shift = 3.0 at 1024 px. shift > 1
+    moves time toward noise (more noise is needed to destroy a larger image)."""
+    return shift * t / (1 + (shift - 1) * t)
+
+
+def logit_normal(n, mean, std, generator=None, device=None) -> torch.Tensor:
+    """t = sigmoid(u), u ~ N(mean, std) (sec. 3.1, eq. 19): more weight on the middle of the path."""
+    u = torch.randn(n, generator=generator, device=device)
+    return torch.sigmoid(mean + std * u)
+
+
+def mode_heavy_tails(n, scale, generator=None, device=None) -> torch.Tensor:
+    """t = f_mode(u) = 1 - u - s (cos^2(pi/2 u) - 1 + u), u ~ U(0, 1) (sec. 3.1, eq. 20): a mode
+    in the middle that keeps density at the ends; s = 0 is uniform."""
+    u = torch.rand(n, generator=generator, device=device)
+    return 1 - u - scale * (torch.cos(math.pi / 2 * u) ** 2 - 1 + u)
+
+
+@dataclass(frozen=True)
+class FlowSchedule:
+    """How training draws t, from `model.params.schedule` of a `parameterization: flow` model.
+
+    timestep_sampling: "logit_normal" (logit_mean, logit_std; the paper's best, rf/lognorm(0, 1)),
+    "mode" (mode_scale; eq. 20) or "uniform"; shift: the resolution shift applied to the drawn t
+    (training) and to the sampling steps (1.0 = none; SD3 at 1024 px: 3.0).
+    """
+
+    timestep_sampling: str = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    mode_scale: float = 1.29
+    shift: float = 1.0
+
+    def __post_init__(self):
+        if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
+            raise ValueError(
+                f"schedule.timestep_sampling must be one of {TIMESTEP_SAMPLINGS}, "
+                f"got {self.timestep_sampling!r}"
+            )
+        if not self.shift > 0:
+            raise ValueError(f"schedule.shift must be > 0, got {self.shift}")
+        if self.logit_std <= 0:
+            raise ValueError(f"schedule.logit_std must be > 0, got {self.logit_std}")
+
+    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
+        """(n,) training times in [0, 1], drawn and then shifted."""
+        if self.timestep_sampling == "logit_normal":
+            t = logit_normal(n, self.logit_mean, self.logit_std, generator, device)
+        elif self.timestep_sampling == "mode":
+            t = mode_heavy_tails(n, self.mode_scale, generator, device)
+        else:
+            t = torch.rand(n, generator=generator, device=device)
+        return shift_time(t, self.shift)
+
+
+# --- samplers ------------------------------------------------------------------------------------
+def flow_sigmas(steps: int, shift: float = 1.0, num_train_timesteps: int = 1000) -> torch.Tensor:
+    """(steps + 1,) times from 1 down to 0, as diffusers' FlowMatchEulerDiscreteScheduler makes
+    them for SD3: `steps` points evenly spaced from 1 to the shifted smallest training time
+    shift(1/T), each then shifted, and a final 0."""
+    t_min = shift_time(torch.tensor(1.0 / num_train_timesteps, dtype=torch.float64), shift)
+    grid = torch.linspace(1.0, float(t_min), steps, dtype=torch.float64)
+    return torch.cat([shift_time(grid, shift), grid.new_zeros(1)]).float()
+
+
+@torch.no_grad()
+def sample_flow_euler(model, x, sigmas, extra_args=None, callback=None):
+    """Euler's method on the flow ODE dx/dt = v(x, t), from sigmas[0] down to sigmas[-1] = 0:
+    x <- x + (t_next - t) v (t_next < t, so the step moves against v = e - x_0, toward data)."""
+    extra_args = extra_args or {}
+    for i in range(len(sigmas) - 1):
+        v = model(x, sigmas[i] * x.new_ones(x.shape[0]), **extra_args)
+        x = x + (sigmas[i + 1] - sigmas[i]) * v
+        if callback is not None:
+            callback({"i": i, "x": x, "sigma": sigmas[i], "velocity": v})
+    return x
+
+
+@torch.no_grad()
+def sample_flow_heun(model, x, sigmas, extra_args=None, callback=None):
+    """Heun's method (2nd order; Karras et al. 2022, Alg. 1 with the velocity as the derivative)
+    on dx/dt = v(x, t); the last step, to t = 0, is an Euler step (as k-diffusion's sample_heun)."""
+    extra_args = extra_args or {}
+    ones = x.new_ones(x.shape[0])
+    for i in range(len(sigmas) - 1):
+        dt = sigmas[i + 1] - sigmas[i]
+        v = model(x, sigmas[i] * ones, **extra_args)
+        x_euler = x + dt * v
+        if sigmas[i + 1] == 0:
+            x = x_euler
+        else:
+            v_next = model(x_euler, sigmas[i + 1] * ones, **extra_args)
+            x = x + dt * (v + v_next) / 2
+        if callback is not None:
+            callback({"i": i, "x": x, "sigma": sigmas[i], "velocity": v})
+    return x
+
+
+SAMPLERS = {"euler": sample_flow_euler, "heun": sample_flow_heun}
+
+
+@torch.no_grad()
+def sample(
+    model_fn: Callable[[torch.Tensor, torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
+    noise: torch.Tensor,
+    *,
+    sampler: str = "euler",
+    steps: int = 28,
+    shift: float = 1.0,
+    cond: Mapping[str, torch.Tensor],
+    uncond: Mapping[str, torch.Tensor] | None = None,
+    scale: float = 1.0,
+    init_latent: torch.Tensor | None = None,
+    strength: float = 1.0,
+    callback: Callable[[dict], None] | None = None,
+    num_train_timesteps: int = 1000,
+) -> torch.Tensor:
+    """Latents x_0 from a velocity network: model_fn(x_t, t * T, cond) -> v, t (B,) float.
+
+    sampler: "euler" or "heun" ("ddim" is Euler, see SAMPLER_ALIASES); shift: the resolution
+    shift of the steps; scale: classifier-free guidance (Ho & Salimans 2022) on the velocity,
+    which is affine in x_0, with `uncond` field by field (`ldm.sampling.classifier_free_guidance`);
+    init_latent, strength: img2img (SDEdit) - run the last int(steps * strength) steps from
+    x = (1 - t) init_latent + t noise, diffusers' SD3 img2img rule.
+    """
+    name = SAMPLER_ALIASES.get(sampler, sampler)
+    if name not in SAMPLERS:
+        raise ValueError(
+            f"sampler {sampler!r} is not a flow sampler: a flow model samples with {FLOW_SAMPLERS}"
+        )
+    if scale != 1.0 and uncond is None:
+        raise ValueError("guidance scale != 1 needs uncond (e.g. the empty prompt's conditioning)")
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"strength must be in [0, 1], got {strength}")
+    guided = model_fn
+    if uncond is not None and scale != 1.0:
+        guided = classifier_free_guidance(model_fn, uncond, scale)
+
+    def velocity_model(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+        return guided(x, sigma * num_train_timesteps, cond)
+
+    sigmas = flow_sigmas(steps, shift, num_train_timesteps)
+    x = noise
+    if init_latent is not None and strength < 1.0:
+        run = min(int(steps * strength), steps)
+        if run == 0:
+            return init_latent.clone()
+        sigmas = sigmas[steps - run :]
+        x = noised(init_latent, noise, sigmas[:1].expand(noise.shape[0]))
+    return SAMPLERS[name](velocity_model, x, sigmas.tolist(), callback=callback)
