@@ -125,6 +125,18 @@ def _torch_save(obj, path: Path) -> None:
         raise
 
 
+def diffusers_prediction_type(parameterization: str) -> str:
+    """The scheduler's `prediction_type` for our parameterization. A rectified-flow model has
+    none in the SD / SDXL pipelines (their schedulers are DDPM-family): refused in one line."""
+    types = {"eps": "epsilon", "v": "v_prediction"}
+    if parameterization not in types:
+        raise ValueError(
+            f"--to-diffusers: a {parameterization!r} model has no StableDiffusion(XL)Pipeline "
+            "scheduler; write the original layout instead (convert.py CKPT OUT.safetensors)"
+        )
+    return types[parameterization]
+
+
 def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     """Write a `StableDiffusionPipeline` (SDXL: `StableDiffusionXLPipeline`) folder with
     diffusers' own converters.
@@ -171,7 +183,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
         set_alpha_to_one=False,
         steps_offset=1,
         timestep_spacing="leading",
-        prediction_type="v_prediction" if model.parameterization == "v" else "epsilon",
+        prediction_type=diffusers_prediction_type(model.parameterization),
     )
     pipeline = StableDiffusionPipeline(
         vae=vae,
@@ -264,7 +276,7 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
         timestep_spacing="leading",
         interpolation_type="linear",
         use_karras_sigmas=False,
-        prediction_type="v_prediction" if model.parameterization == "v" else "epsilon",
+        prediction_type=diffusers_prediction_type(model.parameterization),
     )
     # DDIM's settings, which sd_xl_base_1.0's Euler config carries too: a user's
     # `DDIMScheduler.from_config(pipe.scheduler.config)` then samples as our DDIM does.
@@ -454,12 +466,14 @@ def main(argv=None) -> None:
         check_convertible(args, checkpoint.file_state_keys(contents))
         state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
+        if args.to_diffusers:  # checked before anything is written
+            configs = [args.config] if args.config else find_config(Path(args.ckpt))
+            original = to_container(merge_configs(configs))
+            diffusers_prediction_type(original["model"]["params"].get("parameterization", "eps"))
         if args.out:
             save_checkpoint_file(state, Path(args.out), dtype, contents, args.prune or args.ema)
             print(f"wrote {args.out} ({len(state)} tensors)")
         if args.to_diffusers:
-            configs = [args.config] if args.config else find_config(Path(args.ckpt))
-            original = to_container(merge_configs(configs))
             with writing(args.to_diffusers):
                 export_diffusers(checkpoint.without_ema(state), original, Path(args.to_diffusers))
             print(f"wrote diffusers pipeline to {args.to_diffusers}")

@@ -152,3 +152,24 @@ def test_sampling_is_finite_and_seeded(trained):
         images("dpmpp_2m")
     with pytest.raises(ValueError, match="karras"):
         model.sample(CAPTIONS, height=16, width=16, steps=2, karras=True)
+
+
+@pytest.mark.slow
+def test_a_flow_model_is_not_exported_as_a_ddpm_pipeline(trained, tmp_path, capsys):
+    """diffusers' SD pipelines hold DDPM-family schedulers: an eps/v `prediction_type` would
+    sample a flow model wrongly, so --to-diffusers is refused in one line, before writing."""
+    import convert
+
+    _, _, _, run = trained
+    out, folder = tmp_path / "model.safetensors", tmp_path / "pipeline"
+    with pytest.raises(SystemExit) as exit_:
+        convert.main(
+            [str(run / "model.ckpt"), str(out), "--config", str(run / "config.yaml")]
+            + ["--to-diffusers", str(folder)]
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'flow' model has no StableDiffusion(XL)Pipeline" in err[0], err
+    assert not out.exists() and not folder.exists()
+    assert convert.diffusers_prediction_type("v") == "v_prediction"
+    assert convert.diffusers_prediction_type("eps") == "epsilon"
