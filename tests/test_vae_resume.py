@@ -110,8 +110,14 @@ def test_two_process_fsdp_trains_as_ddp(tmp_path, shapes_dir):
     assert any(k.startswith("optimizer1.") for k in got)  # the discriminator stepped
     want = kernels(expected)
     assert len(want) > 50 and any(k.startswith("model_ema.") for k in want)
-    for name, value in kernels(got).items():  # float rounding apart (seen: 3e-7; lr is 1e-4)
-        torch.testing.assert_close(value, want[name], atol=1e-5, rtol=1e-4, msg=name)
+    # Float rounding apart: the attention runs SDPA's fused (flash) kernel, whose sums differ in
+    # the last bits between the two strategies, and Adam turns that into up to ~2e-4 on the
+    # few elements whose gradient is near zero (m / sqrt(v) of tiny values; lr is 1e-4). A real
+    # difference in what is trained (a missed step, a wrong weight) moves most elements.
+    for name, value in kernels(got).items():
+        off = ((value - want[name]).abs() > 1e-5 + 1e-4 * want[name].abs()).float().mean()
+        assert off <= 2e-3, f"{name}: {off:.2%} of the elements differ"
+        torch.testing.assert_close(value, want[name], atol=5e-4, rtol=0, msg=name)
     ckpt = tmp_path / "fsdp-last.ckpt"
     torch.save(
         {

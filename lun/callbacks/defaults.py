@@ -70,7 +70,7 @@ def default_callback_configs(
       (skips NaN/inf steps, stops after 20 in a row with `last-good.ckpt`).
     - `rng_state`: the random-number streams of every rank in each checkpoint, put back on resume
       (with the data position, optimizer and EMA this makes a resume bitwise exact).
-    - `ema` only when `use_ema` (the model config's `use_ema`), `update_every: auto`.
+    - `ema` only when `use_ema` (the model config's `use_ema`), updated every step.
     """
     checkpoints = os.path.join(run_dir, "checkpoints")
     configs = {
@@ -110,6 +110,8 @@ def default_callback_configs(
             "params": {"dirpath": checkpoints, "monitor": monitor, "mode": "min", "save_top_k": 1},
         }
     if use_ema:
-        # Every N steps, N chosen from the measured copy+fold and step times (<= 3 % of the step).
-        configs["ema"] = {"target": ROLE_TARGETS["ema"], "params": {"update_every": "auto"}}
+        # Every step by default: `update_every: auto` (N from the measured copy+fold and step
+        # times, <= 3 % of the step) depends on timings, so two runs may average differently;
+        # it is the users' choice (docs/performance.md), not the default.
+        configs["ema"] = {"target": ROLE_TARGETS["ema"], "params": {}}
     return configs

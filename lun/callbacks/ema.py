@@ -354,6 +354,8 @@ class EMA(Callback):
             "decay": self.decay,
             "update_every": "auto" if self.auto else self.update_every,
             "warmup": self.warmup,
+            # what "auto" chose: a resume goes on with it instead of timing again
+            "chosen_update_every": self.update_every if self._decided else None,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -365,6 +367,8 @@ class EMA(Callback):
                 f"EMA: {', '.join(changed)} differ from the checkpoint's; using the new values"
             )
         self._last_update_step = state_dict["last_update_step"]
+        if self.auto and state_dict.get("chosen_update_every"):
+            self.update_every, self._decided = state_dict["chosen_update_every"], True
 
     # --- swapping ----------------------------------------------------------------------------
     @property
