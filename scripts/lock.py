@@ -69,9 +69,10 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    sys.path.insert(0, str(ROOT))
+    from lun.cli import HelpFormatter  # every option's default in --help
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--torch", default="torch==2.13.0", help="pip spec for torch")
     parser.add_argument("--venv", default=".venv-lock", help="where the fresh venv goes")
     parser.add_argument("--keep-venv", action="store_true", help="do not delete it afterwards")

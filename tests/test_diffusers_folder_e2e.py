@@ -134,7 +134,7 @@ def test_txt2img_from_a_diffusers_folder_draws_the_pipelines_image(tmp_path, pip
     txt2img.main(
         ["--ckpt", str(folder), "--config", str(config), "--prompt", prompt, "--steps", "5"]
         + ["--scale", "4", "--seed", str(seed), "--outdir", str(tmp_path), "--skip_grid"]
-        + ["--device", "cpu"]
+        + ["--device", "cpu", "--H", "16", "--W", "16"]  # the size of the 8x8 latents below
     )
     png = Image.open(tmp_path / "samples" / "00000.png")
     ours = np.asarray(png, dtype=np.float32) / 255
@@ -143,8 +143,8 @@ def test_txt2img_from_a_diffusers_folder_draws_the_pipelines_image(tmp_path, pip
     noise = torch.randn((1, 4, 8, 8), generator=torch.Generator().manual_seed(seed))
     theirs = pipe(
         prompt,
-        height=32,
-        width=32,
+        height=16,
+        width=16,
         num_inference_steps=5,
         guidance_scale=4.0,
         latents=noise,

@@ -71,7 +71,6 @@ def test_a_missing_instance_folder_is_one_line_exit_2_before_the_run_folder(tmp_
         [
             "--base",
             str(CONFIG),
-            "model.params.ckpt_path=unused.safetensors",
             f"data.params.train.params.data_root={tmp_path / 'no-such-folder'}",
             f"data.params.train.params.class_data_root={tmp_path / 'class'}",
             "-l",
