@@ -2,12 +2,15 @@
 train_dreambooth_lora.py computes it, and the launcher refuses a bad DreamBooth config before
 the run folder exists."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
 from lora_helpers import build
 from PIL import Image
 from run_helpers import ROOT, run_main_here
+from safetensors.torch import save_file
 
 from lun.data.dreambooth import DreamBooth
 
@@ -67,10 +70,16 @@ def test_prior_preservation_loss_is_eq2_as_diffusers_computes_it(
 @pytest.mark.slow
 def test_a_missing_instance_folder_is_one_line_exit_2_before_the_run_folder(tmp_path):
     logs = tmp_path / "logs"
+    # An SD 1.x file as far as the checkpoint check reads (its key names: ldm.layout.family):
+    # the data is what this test gets wrong.
+    keys = json.loads((ROOT / "tests" / "reference" / "sd_v1_keys.json").read_text())["keys"]
+    base = tmp_path / "sd1.safetensors"
+    save_file({key: torch.zeros(1) for key in keys}, base)
     result = run_main_here(
         [
             "--base",
             str(CONFIG),
+            f"model.params.ckpt_path={base}",
             f"data.params.train.params.data_root={tmp_path / 'no-such-folder'}",
             f"data.params.train.params.class_data_root={tmp_path / 'class'}",
             "-l",
