@@ -44,6 +44,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+from benchmark import UNET_PARAMS  # noqa: E402
+
 # bf16 dense tensor-core peaks (vendor data sheets), matched on the CUDA device name in order.
 BF16_DENSE_PEAKS = (
     (("H100", "PCIe"), 756.0e12),
@@ -57,19 +59,8 @@ BF16_DENSE_PEAKS = (
     (("A10G",), 70.0e12),
 )
 
-SD1_UNET = {
-    "in_channels": 4,
-    "out_channels": 4,
-    "model_channels": 320,
-    "attention_resolutions": [4, 2, 1],
-    "num_res_blocks": 2,
-    "channel_mult": [1, 2, 4, 4],
-    "num_heads": 8,
-    "use_spatial_transformer": True,
-    "transformer_depth": 1,
-    "context_dim": 768,
-    "legacy": False,
-}
+# SD 1.x's UNet: benchmark.py's SD v1 structure at the real width (320).
+SD1_UNET = {**UNET_PARAMS, "model_channels": 320}
 TINY_UNET = {**SD1_UNET, "model_channels": 32, "channel_mult": [1, 2], "attention_resolutions": [2]}
 TINY_VAE = {"ch": 32, "ch_mult": [1, 2], "num_res_blocks": 1}
 TINY_TEXT = {"hidden_size": 768, "intermediate_size": 64, "num_hidden_layers": 1}
