@@ -29,6 +29,7 @@ import torch
 
 from ldm import checkpoint
 from ldm.layout import diffusers_vae
+from ldm.layout import family as family_rules
 from ldm.schedule import schedule_betas, schedule_buffers
 
 UNET_PREFIX = checkpoint.BACKBONE_PREFIX + "diffusion_model."
@@ -93,7 +94,8 @@ def describe(folder: Path) -> FolderInfo:
     unet = read_json(unet_file)
     text_file = folder / "text_encoder" / "config.json"
     text = read_json(text_file)
-    hidden_act = text.get("hidden_act", "quick_gelu")  # transformers' CLIPTextConfig default
+    hidden_act = text.get("hidden_act", family_rules.DEFAULT_CLIP_ACTIVATION)
+    clip = family_rules.CLIP_ACTIVATIONS.get(hidden_act)  # (family, which CLIP) or None
     if unet.get("addition_embed_type") == "text_time":
         family, reason = "sdxl", f"{unet_file}: addition_embed_type text_time"
     elif unet.get("addition_embed_type") or unet.get("class_embed_type"):
@@ -102,10 +104,9 @@ def describe(folder: Path) -> FolderInfo:
             f"{unet.get('addition_embed_type')!r}, class_embed_type "
             f"{unet.get('class_embed_type')!r}); SD 1.x, SD 2.x and SDXL folders are supported"
         )
-    elif hidden_act == "quick_gelu":  # OpenAI CLIP
-        family, reason = "sd1", f"{text_file}: hidden_act quick_gelu (OpenAI CLIP)"
-    elif hidden_act == "gelu":  # OpenCLIP
-        family, reason = "sd2", f"{text_file}: hidden_act gelu (OpenCLIP)"
+    elif clip is not None:
+        family = {family_rules.SD1: "sd1", family_rules.SD2: "sd2"}[clip[0]]
+        reason = f"{text_file}: hidden_act {hidden_act} ({clip[1]})"
     else:
         raise DiffusersFolderError(
             f"{text_file}: unknown model family (hidden_act {hidden_act!r}); "

@@ -35,6 +35,10 @@ _TEXT_ENCODERS = (
     ("cond_stage_model.transformer.", SD1),
 )
 _VAE_KEYS = ("encoder.", "decoder.", "first_stage_model.")
+# A diffusers folder's text_encoder/config.json tells SD 1.x from SD 2.x by the activation:
+# OpenAI's CLIP (quick_gelu, transformers' CLIPTextConfig default) or OpenCLIP ViT-H (gelu).
+CLIP_ACTIVATIONS = {"quick_gelu": (SD1, "OpenAI CLIP"), "gelu": (SD2, "OpenCLIP")}
+DEFAULT_CLIP_ACTIVATION = "quick_gelu"
 _ADAPTER_KEY = re.compile(
     r"^lora_(unet|te\d?)_"  # kohya / A1111 / ComfyUI
     r"|(^|\.)(lora_[AB]|lora_down|lora_up|lora\.(down|up)|lora_magnitude_vector|dora_scale|alpha"
@@ -82,10 +86,10 @@ def diffusers_family(folder: str | Path) -> str | None:
             text = json.loads((folder / "text_encoder" / "config.json").read_text())
         except (OSError, ValueError):
             return None
-        # transformers' CLIPTextConfig default is quick_gelu; anything else is left to the
-        # folder reader (ldm.diffusers_layout), which names the file and the value
-        act = text.get("hidden_act", "quick_gelu")
-        return {"gelu": SD2, "quick_gelu": SD1}.get(act)
+        # an unknown activation is left to the folder reader (ldm.diffusers_layout), which
+        # names the file and the value
+        act = text.get("hidden_act", DEFAULT_CLIP_ACTIVATION)
+        return CLIP_ACTIVATIONS.get(act, (None,))[0]
     return None
 
 
