@@ -203,3 +203,21 @@ def test_model_checkpoint_trigger_attributes():
     assert callback._every_n_train_steps == 5, lightning_failure(
         CHECKPOINTS, "ModelCheckpoint()._every_n_train_steps holding every_n_train_steps"
     )
+
+
+def test_trainer_says_whether_this_step_logs():
+    """ldm/diffusion.py computes the per-timestep losses (host reads) only on logging steps, as
+    `trainer._logger_connector.should_update_logs` says; a rename would raise on every step."""
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    connector = getattr(trainer, "_logger_connector", None)
+    flag = getattr(connector, "should_update_logs", None)
+    assert isinstance(flag, bool), lightning_failure(
+        "ldm/diffusion.py", "trainer._logger_connector.should_update_logs"
+    )
