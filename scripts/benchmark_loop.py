@@ -29,8 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
+# torch is imported in the functions: --help answers without it.
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "configs" / "demo" / "shapes.yaml"
 HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
@@ -72,6 +71,8 @@ class StepClock:
     @contextlib.contextmanager
     def counting_host_reads(self):
         """Count calls of the Tensor methods that read a value on the host, by step."""
+        import torch
+
         originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
 
         def counted(original):
@@ -185,6 +186,8 @@ def make_data(folder: Path, n: int) -> Path:
 
 
 def loop_table(args, tmp: Path) -> list[str]:
+    import torch
+
     torch.set_num_threads(args.threads)
     data = make_data(tmp / "shapes", args.images)
     steps = args.warmup + args.steps
@@ -214,17 +217,17 @@ def loop_table(args, tmp: Path) -> list[str]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--config", default=str(DEMO))
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--config", default=str(DEMO), help="the config both sides train")
     parser.add_argument("--steps", type=int, default=40, help="timed optimizer steps")
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--width", type=int, default=32, help="UNet model_channels")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--images", type=int, default=256)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--log-every", type=int, default=25)
+    parser.add_argument("--batch-size", type=int, default=32, help="images per step")
+    parser.add_argument("--images", type=int, default=256, help="generated training images")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--log-every", type=int, default=25, help="main.py's log_every_n_steps")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="where both sides train"
     )

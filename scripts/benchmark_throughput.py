@@ -15,64 +15,75 @@ import tempfile
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
-import torch
-from lightning.pytorch.loggers import TensorBoardLogger
-from omegaconf import OmegaConf
-from torch.utils.data import DataLoader, Dataset
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ldm.util import instantiate_from_config  # noqa: E402
-from lun.callbacks import throughput as tp  # noqa: E402
-
+# torch and Lightning are imported in the functions: --help answers without them.
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny" / "ldm.yaml"
 HOOKS = ("on_train_batch_start", "on_after_backward", "on_train_batch_end")
 
 
-class Images(Dataset):
+class Images:
+    """A map-style dataset of random images (DataLoader needs only __len__ and __getitem__)."""
+
     def __len__(self):
         return 10**6
 
     def __getitem__(self, index):
+        import torch
+
         g = torch.Generator().manual_seed(index)
         return {"image": torch.rand(3, 32, 32, generator=g) * 2 - 1, "caption": f"shape {index}"}
 
 
-class StepTimes(pl.Callback):
-    """Seconds from one batch start to the next."""
+def timing_callbacks():
+    """The two timing callbacks (classes made here: their bases are Lightning's)."""
+    import lightning.pytorch as pl
 
-    def __init__(self):
-        self.starts = []
+    from lun.callbacks import throughput as tp
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.starts.append(time.perf_counter())
+    class StepTimes(pl.Callback):
+        """Seconds from one batch start to the next."""
 
-    def seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.starts, self.starts[1:])]
+        def __init__(self):
+            self.starts = []
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
 
-class TimedThroughput(tp.Throughput):
-    """The callback, with the time spent in each of its per-step hooks added up per batch."""
+        def seconds(self) -> list[float]:
+            return [b - a for a, b in zip(self.starts, self.starts[1:])]
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.hook_seconds: list[float] = []
-        for name in HOOKS:
-            setattr(self, name, self._timed(getattr(self, name), name))
+    class TimedThroughput(tp.Throughput):
+        """The callback, with the time spent in each of its per-step hooks added up per batch."""
 
-    def _timed(self, hook, name):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            hook(*args, **kwargs)
-            if name == "on_train_batch_start":
-                self.hook_seconds.append(0.0)
-            self.hook_seconds[-1] += time.perf_counter() - start
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hook_seconds: list[float] = []
+            for name in HOOKS:
+                setattr(self, name, self._timed(getattr(self, name), name))
 
-        return run
+        def _timed(self, hook, name):
+            def run(*args, **kwargs):
+                start = time.perf_counter()
+                hook(*args, **kwargs)
+                if name == "on_train_batch_start":
+                    self.hook_seconds.append(0.0)
+                self.hook_seconds[-1] += time.perf_counter() - start
+
+            return run
+
+    return StepTimes, TimedThroughput
 
 
 def fit(steps: int, callbacks: list, logdir: str) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from omegaconf import OmegaConf
+    from torch.utils.data import DataLoader
+
+    from ldm.util import instantiate_from_config
+
     config = OmegaConf.to_container(OmegaConf.load(TINY)["model"])
     torch.manual_seed(0)
     model = instantiate_from_config(config)
@@ -96,9 +107,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=HelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40, help="training steps per run")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs with and without the callback, taking turns"
+    )
     args = parser.parse_args()
+    import torch
+
+    from lun.callbacks import throughput as tp
+
+    StepTimes, TimedThroughput = timing_callbacks()
     logdir = tempfile.mkdtemp(prefix="throughput_bench_")
 
     start = time.perf_counter()

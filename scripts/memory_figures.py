@@ -23,6 +23,7 @@ The plan's predictions come from the `memory-plan.json` each run writes into its
 """
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -31,31 +32,45 @@ import time
 from pathlib import Path
 
 import psutil
-from lightning.pytorch.callbacks import Callback
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_EVERY_S = 0.02
 GB = 1e9
 
 
-class PhaseMarks(Callback):
-    """Writes `<time> <phase>` lines: when each training step and checkpoint save begins."""
+@functools.cache
+def phase_marks_class() -> type:
+    """`PhaseMarks`, made on first use: its base is Lightning's Callback (torch), which --help
+    must not import."""
+    from lightning.pytorch.callbacks import Callback
 
-    def __init__(self, path: str):
-        self.path = path
+    class PhaseMarks(Callback):
+        """Writes `<time> <phase>` lines: when each training step and checkpoint save begins."""
 
-    def _mark(self, phase: str) -> None:
-        with open(self.path, "a") as file:
-            file.write(f"{time.time()} {phase}\n")
+        def __init__(self, path: str):
+            self.path = path
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._mark("step")
+        def _mark(self, phase: str) -> None:
+            with open(self.path, "a") as file:
+                file.write(f"{time.time()} {phase}\n")
 
-    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
-        self._mark("save")
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self._mark("step")
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._mark("end")
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+            self._mark("save")
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self._mark("end")
+
+    return PhaseMarks
+
+
+def __getattr__(name: str):
+    # The runs load `memory_figures.PhaseMarks` by target (PEP 562 module __getattr__).
+    if name == "PhaseMarks":
+        return phase_marks_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_checkpoint(path: Path, width: int | None) -> int:

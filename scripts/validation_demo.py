@@ -15,13 +15,7 @@ import argparse
 import time
 from pathlib import Path
 
-import lightning.pytorch as pl
-import torch
-
-from ldm.util import instantiate_from_config
-from lun.config import merge_configs, to_container
-from lun.trainer import build_data, build_model
-
+# torch, Lightning and the models are imported in the functions: --help answers without them.
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/demo/shapes.yaml"
 # The demo's held-out set, as a run's config would give it.
@@ -34,41 +28,53 @@ VALIDATION = [
 ]
 
 
-class Clock(pl.Callback):
-    """Seconds spent in training batches and in validation passes; the figures of each pass."""
+def make_clock():
+    """A `Clock` callback (the class is made here: its base is Lightning's)."""
+    import lightning.pytorch as pl
 
-    def __init__(self):
-        self.train = self.validation = 0.0
-        self.rows = []
+    class Clock(pl.Callback):
+        """Seconds spent in training batches and in validation passes; the figures of each pass."""
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = time.perf_counter()
+        def __init__(self):
+            self.train = self.validation = 0.0
+            self.rows = []
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.train += time.perf_counter() - self._start
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._start = time.perf_counter()
 
-    def on_validation_start(self, trainer, pl_module):
-        self._start_validation = time.perf_counter()
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.train += time.perf_counter() - self._start
 
-    def on_validation_end(self, trainer, pl_module):
-        self.validation += time.perf_counter() - self._start_validation
-        self.rows.append((trainer.global_step, dict(pl_module.validation_loss.last)))
-        figures = " ".join(f"{k}={v:.4f}" for k, v in self.rows[-1][1].items())
-        print(f"step {trainer.global_step}: {figures}", flush=True)
+        def on_validation_start(self, trainer, pl_module):
+            self._start_validation = time.perf_counter()
+
+        def on_validation_end(self, trainer, pl_module):
+            self.validation += time.perf_counter() - self._start_validation
+            self.rows.append((trainer.global_step, dict(pl_module.validation_loss.last)))
+            figures = " ".join(f"{k}={v:.4f}" for k, v in self.rows[-1][1].items())
+            print(f"step {trainer.global_step}: {figures}", flush=True)
+
+    return Clock()
 
 
 def main() -> None:
-
     from lun.cli import HelpFormatter
 
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training steps")
     parser.add_argument("--every", type=int, default=100, help="steps between validations")
-    parser.add_argument("--seed", type=int, default=23)
+    parser.add_argument("--seed", type=int, default=23, help="seed of the run")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides of the configs")
     args = parser.parse_args()
+    import lightning.pytorch as pl
+    import torch
+
+    from ldm.util import instantiate_from_config
+    from lun.config import merge_configs, to_container
+    from lun.trainer import build_data, build_model
+
     dotlist = [
         *VALIDATION,
         f"lightning.trainer.max_steps={args.steps}",
@@ -80,7 +86,7 @@ def main() -> None:
     data, model = build_data(config["data"]), build_model(config["model"])
     model.learning_rate = config["model"]["base_learning_rate"]
     ema = instantiate_from_config(config["lightning"]["callbacks"]["ema"])
-    clock = Clock()
+    clock = make_clock()
     trainer_args = dict(config["lightning"]["trainer"])
     trainer_args.update(use_distributed_sampler=False, enable_progress_bar=False)
     trainer = pl.Trainer(

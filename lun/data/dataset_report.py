@@ -491,15 +491,16 @@ def data_config(cfg) -> dict:
 
 
 def parse_args(argv) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from lun.cli import HelpFormatter, old_spelling
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml")
     parser.add_argument("--decode", action="store_true", help="decode every image (slower)")
     parser.add_argument("--out", help="report folder (default reports/<time>_<config>)")
     parser.add_argument("--world-size", type=int, help="ranks (default: the trainer's devices)")
-    parser.add_argument("-s", "--seed", type=int, default=23, help="main.py's seed (default 23)")
-    parser.add_argument("--data_root", help="as main.py's: the train (and validation) data_root")
+    parser.add_argument("-s", "--seed", type=int, default=23, help="main.py's seed")
+    parser.add_argument("--data-root", help="as main.py's: the train (and validation) data_root")
+    old_spelling(parser, "--data_root", "data_root")
     opt, dotlist = parser.parse_known_args(argv)
     overrides = [a for a in opt.base if "=" in a or a.startswith("~")]
     opt.base = [a for a in opt.base if a not in overrides]
