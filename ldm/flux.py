@@ -434,3 +434,16 @@ def flux1_dev(**kwargs) -> Flux:
 def flux1_schnell(**kwargs) -> Flux:
     """FLUX.1 [schnell]: as dev without the guidance embedding (timestep-distilled, 1-4 steps)."""
     return Flux(**{"guidance_embed": False, **kwargs})
+
+
+def lora_targets(model: Flux, modulation: bool = True) -> list[str]:
+    """Names (in `model`) of the Linear layers LoRA adapts: every Linear of the double and single
+    blocks, kohya's default Flux network (sd-scripts networks/lora_flux.py); `modulation=False`
+    leaves out the adaLN `*_mod.lin` / `modulation.lin` layers."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+        and name.startswith(("double_blocks.", "single_blocks."))
+        and (modulation or not name.endswith("mod.lin") and not name.endswith("modulation.lin"))
+    ]

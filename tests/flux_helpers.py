@@ -1,0 +1,75 @@
+"""Tiny Flux.1 models and diffusers' counterparts, shared by tests/ldm/test_flux*.py."""
+
+import inspect
+
+import torch
+from diffusers import FluxPipeline, FluxTransformer2DModel
+from diffusers.loaders import single_file_utils
+
+from ldm.flux import Flux
+
+convert = single_file_utils.convert_flux_transformer_checkpoint_to_diffusers
+
+
+def tiny_converter(width: int):
+    """diffusers' own converter, its hard-coded released width replaced by `width`."""
+    source = inspect.getsource(convert)
+    assert source.count("inner_dim = 3072") == 1, "diffusers' converter changed: revisit"
+    namespace = dict(vars(single_file_utils))
+    exec(source.replace("inner_dim = 3072", f"inner_dim = {width}"), namespace)  # noqa: S102
+    return namespace[convert.__name__]
+
+
+TINY = dict(
+    depth=2,
+    depth_single_blocks=2,
+    hidden_size=48,
+    num_heads=2,
+    in_channels=4,
+    context_dim=20,
+    pooled_dim=12,
+    axes_dim=(4, 10, 10),
+)
+
+
+def randomise(model: torch.nn.Module) -> None:
+    """Non-zero everywhere (adaLN-Zero would hide the blocks); norm scales about 1."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            tensor.copy_(torch.randn_like(tensor) * 0.1 + name.endswith(".scale"))
+
+
+def tiny_pair(guidance: bool = True) -> tuple[Flux, FluxTransformer2DModel]:
+    ours = Flux(**TINY, guidance_embed=guidance)
+    randomise(ours)
+    theirs = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=TINY["in_channels"] * 4,
+        num_layers=TINY["depth"],
+        num_single_layers=TINY["depth_single_blocks"],
+        attention_head_dim=TINY["hidden_size"] // TINY["num_heads"],
+        num_attention_heads=TINY["num_heads"],
+        joint_attention_dim=TINY["context_dim"],
+        pooled_projection_dim=TINY["pooled_dim"],
+        guidance_embeds=guidance,
+        axes_dims_rope=TINY["axes_dim"],
+    )
+    convert_tiny = tiny_converter(TINY["hidden_size"])
+    theirs.load_state_dict(convert_tiny(dict(ours.state_dict())), strict=True)
+    return ours, theirs
+
+
+def diffusers_forward(theirs, x, t, context, pooled, guidance=None):
+    """FluxPipeline's own packing and ids; its timestep and guidance in [0, 1] / scale units."""
+    b, c, h, w = x.shape
+    return theirs(
+        hidden_states=FluxPipeline._pack_latents(x, b, c, h, w),
+        encoder_hidden_states=context,
+        pooled_projections=pooled,
+        timestep=t / 1000,
+        img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, x.device, x.dtype),
+        txt_ids=torch.zeros(context.shape[1], 3),
+        guidance=guidance,
+        return_dict=False,
+    )[0]
