@@ -6,7 +6,7 @@ import torch
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffusers.loaders import single_file_utils
 
-from ldm.flux import Flux
+from ldm.flux import Flux, lora_targets
 
 convert = single_file_utils.convert_flux_transformer_checkpoint_to_diffusers
 
@@ -73,3 +73,20 @@ def diffusers_forward(theirs, x, t, context, pooled, guidance=None):
         guidance=guidance,
         return_dict=False,
     )[0]
+
+
+RANK, ALPHA = 4, 8.0  # LoRA scale 2: a lost alpha shows
+
+
+def with_adapters(model: Flux) -> Flux:
+    """peft LoRA on every block Linear, lora_A and lora_B random (a fresh lora_B is zero)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=lora_targets(model))
+    inject_adapter_in_model(config, model)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param) * 0.2)
+    return model

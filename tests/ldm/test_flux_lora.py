@@ -23,10 +23,7 @@ from ldm.layout import kohya_flux
 pytest.importorskip("peft")
 conversion = pytest.importorskip("diffusers.loaders.lora_conversion_utils")
 from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: E402
-from flux_helpers import TINY, diffusers_forward, tiny_pair  # noqa: E402
-from peft import LoraConfig, inject_adapter_in_model  # noqa: E402
-
-RANK, ALPHA = 4, 8.0  # scale 2: a lost alpha shows
+from flux_helpers import ALPHA, TINY, diffusers_forward, tiny_pair, with_adapters  # noqa: E402
 
 
 def tiny_kohya_converter(width: int, mlp: int):
@@ -37,18 +34,6 @@ def tiny_kohya_converter(width: int, mlp: int):
     namespace = dict(vars(conversion))
     exec(source.replace(released, f"dims=[{width}, {width}, {width}, {mlp}]"), namespace)  # noqa: S102
     return namespace[convert.__name__]
-
-
-def with_adapters(model: Flux) -> Flux:
-    """peft LoRA on every block Linear, lora_A and lora_B random (a fresh lora_B is zero)."""
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=lora_targets(model))
-    inject_adapter_in_model(config, model)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn_like(param) * 0.2)
-    return model
 
 
 def inputs():
