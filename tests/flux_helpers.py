@@ -1,23 +1,15 @@
 """Tiny Flux.1 models and diffusers' counterparts, shared by tests/ldm/test_flux*.py."""
 
-import inspect
-
 import torch
+from benchmark_flux import diffusers_flux_converter
 from diffusers import FluxPipeline, FluxTransformer2DModel
 from diffusers.loaders import single_file_utils
 
 from ldm.flux import Flux, lora_targets
 
+tiny_converter = diffusers_flux_converter  # diffusers' converter at a given width
+
 convert = single_file_utils.convert_flux_transformer_checkpoint_to_diffusers
-
-
-def tiny_converter(width: int):
-    """diffusers' own converter, its hard-coded released width replaced by `width`."""
-    source = inspect.getsource(convert)
-    assert source.count("inner_dim = 3072") == 1, "diffusers' converter changed: revisit"
-    namespace = dict(vars(single_file_utils))
-    exec(source.replace("inner_dim = 3072", f"inner_dim = {width}"), namespace)  # noqa: S102
-    return namespace[convert.__name__]
 
 
 TINY = dict(
