@@ -23,7 +23,8 @@ from torch import nn
 
 KOHYA_PREFIX = "lora_unet_"
 DIFFUSERS_PREFIX = "transformer."
-BACKBONE = "model.diffusion_model."  # a LatentDiffusion's backbone (ldm.layout.flux)
+# a LatentDiffusion's backbone (ldm.layout.flux), and the same seen from its `model` wrapper
+BACKBONE_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
 # BFL module (after `double_blocks.N.` / `single_blocks.N.`) -> diffusers module(s) under
 # `transformer_blocks.N.` / `single_transformer_blocks.N.`; several = the fused rows in order.
@@ -49,7 +50,10 @@ _BLOCK = re.compile(r"^(double_blocks|single_blocks)\.(\d+)\.(.+)$")
 
 def bare(module: str) -> str:
     """A module name without a LatentDiffusion's backbone prefix."""
-    return module.removeprefix(BACKBONE)
+    for prefix in BACKBONE_PREFIXES:
+        if module.startswith(prefix):
+            return module.removeprefix(prefix)
+    return module
 
 
 def kohya_name(module: str) -> str:

@@ -124,3 +124,14 @@ def test_full_size_kohya_file_is_read_by_flux_pipeline(tmp_path):
             assert tensor.shape == (1, module.in_features), key
         else:
             assert tensor.shape == (module.out_features, 1), key
+
+
+def test_adapter_names_inside_a_latent_diffusion_are_bfl_names():
+    """A LatentDiffusion holds the backbone at model.diffusion_model; files name it bare."""
+    holder = torch.nn.Module()
+    holder.model = torch.nn.Module()
+    holder.model.diffusion_model = with_adapters(Flux(**TINY))
+    names = set(kohya_flux.peft_adapters(holder.model.diffusion_model))
+    assert "double_blocks.0.img_attn.qkv" in names
+    assert set(kohya_flux.peft_adapters(holder)) == names
+    assert set(kohya_flux.peft_adapters(holder.model)) == names
