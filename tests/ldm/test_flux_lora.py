@@ -42,11 +42,15 @@ def inputs():
     return x, torch.tensor([300.0, 800.0]), context, pooled, torch.tensor([3.5, 2.0])
 
 
-def compare(ours: Flux, theirs: FluxTransformer2DModel, lora: dict) -> None:
+def compare(ours: Flux, theirs: FluxTransformer2DModel, lora: dict, load=None) -> None:
+    """diffusers' output with `lora` loaded (by `load`, else load_lora_adapter) == ours."""
     x, t, context, pooled, guidance = inputs()
     with torch.no_grad():
         base = diffusers_forward(theirs, x, t, context, pooled, guidance)
-        theirs.load_lora_adapter(lora, prefix="transformer", adapter_name="ours")
+        if load is None:
+            theirs.load_lora_adapter(lora, prefix="transformer", adapter_name="ours")
+        else:
+            load()
         adapted = diffusers_forward(theirs, x, t, context, pooled, guidance)
         mine = ours(x, t, {"crossattn": context, "vector": pooled, "guidance": guidance})
     assert (adapted - base).abs().mean() > 0.05, "the LoRA changed nothing in diffusers"
@@ -68,13 +72,19 @@ def test_kohya_file_through_diffusers_converter_gives_our_output():
     compare(ours, theirs, converted)
 
 
-def test_diffusers_file_loads_into_flux_transformer_with_our_output():
+def test_diffusers_file_loads_with_flux_pipeline_with_our_output(tmp_path):
+    """The file through FluxPipeline.load_lora_weights (the pipeline holds only the
+    transformer: the text encoders get no LoRA)."""
     ours, theirs = tiny_pair()
     with_adapters(ours)
     state = kohya_flux.to_diffusers(kohya_flux.peft_adapters(ours))
     assert "transformer.transformer_blocks.0.attn.to_q.lora_A.weight" in state
     assert "transformer.single_transformer_blocks.0.proj_mlp.lora_B.weight" in state
-    compare(ours, theirs, state)
+    path = tmp_path / "flux_lora_diffusers.safetensors"
+    save_file(state, str(path))
+    none = dict.fromkeys(["scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2"])
+    pipe = FluxPipeline(**none, tokenizer_2=None, transformer=theirs)
+    compare(ours, theirs, state, load=lambda: pipe.load_lora_weights(str(path)))
 
 
 def test_kohya_round_trip():
