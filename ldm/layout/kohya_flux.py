@@ -114,6 +114,11 @@ def from_kohya(state: Mapping[str, torch.Tensor], modules: Iterable[str]) -> dic
         if not key.endswith(".lora_down.weight"):
             continue
         name = key.removesuffix(".lora_down.weight")
+        if name not in known and "guidance_in" in name:
+            raise ValueError(
+                f"LoRA file: {name} is for FLUX.1-dev's guidance input; this model has none "
+                "(schnell): use a LoRA trained on schnell, or a dev base"
+            )
         if name not in known:
             raise ValueError(f"LoRA file: {name} names no Linear layer of this Flux model")
         down = state[key]

@@ -101,6 +101,11 @@ def test_kohya_round_trip():
             {"lora_unet_double_blocks_9_img_attn_qkv.lora_down.weight": torch.zeros(1, 1)},
             lora_targets(Flux(**TINY)),
         )
+    schnell = Flux(**TINY, guidance_embed=False)
+    linears = [n for n, m in schnell.named_modules() if isinstance(m, torch.nn.Linear)]
+    dev_lora = {"lora_unet_guidance_in_in_layer.lora_down.weight": torch.zeros(1, 256)}
+    with pytest.raises(ValueError, match="FLUX.1-dev's guidance input"):
+        kohya_flux.from_kohya(dev_lora, linears)
 
 
 def test_full_size_kohya_file_is_read_by_flux_pipeline(tmp_path):
