@@ -42,6 +42,9 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - sdxl: one SDXL-structure UNet training step (width 64, transformer depth 1/2/4, text_time
   `label_emb`, context 77x2048, batch 2, 32x32) against diffusers' UNet2DConditionModel in the
   same structure holding the same weights, the same fused AdamW, fp32 (scripts/benchmark_sdxl.py).
+- flux: one Flux.1-dev-structure training step (width 768, 2 double + 4 single blocks, 32x32x16
+  latent, 64 T5 tokens, batch 1) against diffusers' FluxTransformer2DModel holding the same
+  weights, the same fused AdamW, fp32 (scripts/benchmark_flux.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -421,7 +424,19 @@ def data_section(args) -> list[str]:
         return loader_table(data_args, Path(tmp))
 
 
-SECTIONS = ["train", "memory", "sampling", "data", "dit", "cache", "lora", "vae", "sdxl", "loop"]
+SECTIONS = [
+    "train",
+    "memory",
+    "sampling",
+    "data",
+    "dit",
+    "cache",
+    "lora",
+    "vae",
+    "sdxl",
+    "flux",
+    "loop",
+]
 
 
 def main(argv=None) -> None:
@@ -473,6 +488,7 @@ def main(argv=None) -> None:
         flush=True,
     )
     from benchmark_dit import dit_section
+    from benchmark_flux import flux_section
     from benchmark_lora import lora_section
     from benchmark_sdxl import sdxl_section
     from benchmark_vae import vae_section
@@ -485,6 +501,7 @@ def main(argv=None) -> None:
         "lora": lora_section,
         "vae": vae_section,
         "sdxl": sdxl_section,
+        "flux": flux_section,
     }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:
