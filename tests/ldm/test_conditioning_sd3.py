@@ -5,15 +5,10 @@ negative) run on text encoders that diffusers' own single-file rules load from o
 the per-encoder dropout against the paper's rate and independence (Esser et al. 2024)."""
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from ldm.conditioning_sd3 import CLIP_TOKENS, DROP_RATE, SD3Conditioner
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sd3_helpers import (  # noqa: E402
     CONTEXT_DIM,
     T5_TOKENS,
@@ -21,6 +16,8 @@ from sd3_helpers import (  # noqa: E402
     t5_tokenizer_folder,
     tiny_conditioner_params,
 )
+
+from ldm.conditioning_sd3 import CLIP_TOKENS, DROP_RATE, SD3Conditioner
 
 diffusers = pytest.importorskip("diffusers")
 from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline  # noqa: E402
