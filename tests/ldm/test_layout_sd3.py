@@ -99,7 +99,7 @@ def test_full_size_model_is_stabilitys_single_file(preset, tmp_path):
     # The VAE: diffusers' single-file VAE rule on our first_stage_model.* (until the SD3 VAE
     # without quant convs lands, ours has them: issue 33.5 - compare the rest).
     vae_file = {k: v for k, v in state.items() if k.startswith(layout.FIRST_STAGE)}
-    vae = single_file_utils.convert_ldm_vae_checkpoint(vae_file, {})
+    vae = single_file_utils.convert_ldm_vae_checkpoint(vae_file, SD3_VAE)
     with torch.device("meta"):
         reference_vae = AutoencoderKL(**SD3_VAE)
     quant = ("quant_conv.", "post_quant_conv.")
