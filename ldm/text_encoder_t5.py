@@ -65,8 +65,12 @@ class FrozenT5Embedder(TextEmbedder):
         super().__init__(ucg_rate=0.0, trainable=not freeze)
         if max_length < 1:
             raise ValueError(f"{key}.max_length: {max_length} must be >= 1")
-        self.transformer = self._build(version, config, key)
-        self.from_folder = version is not None  # its weights need not be in the SD3 file
+        if version is not None and not os.path.isdir(version):
+            raise ValueError(
+                f"{key}.version: the folder '{version}' does not exist; give a local folder "
+                "with a T5EncoderModel (text_encoder_3/ of an SD3 diffusers model), or leave "
+                "it unset to take T5's weights from the SD3 file"
+            )
         tokenizer = tokenizer or version
         if tokenizer is None:
             raise ValueError(
@@ -78,6 +82,9 @@ class FrozenT5Embedder(TextEmbedder):
                 f"{key}.tokenizer: the folder '{tokenizer}' does not exist; give a local "
                 "folder with the T5-XXL tokenizer (tokenizer_3/ of an SD3 diffusers model)"
             )
+        # The folders are checked before T5-XXL (19 GB in fp32) is built.
+        self.transformer = self._build(version, config, key)
+        self.from_folder = version is not None  # its weights need not be in the SD3 file
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True)
         self.max_length = max_length
         # Stability's files hold the embedding once (`shared.weight`); transformers ties it to
@@ -92,12 +99,6 @@ class FrozenT5Embedder(TextEmbedder):
     def _build(version: str | None, config: dict | None, key: str) -> T5EncoderModel:
         if version is None:
             return T5EncoderModel(T5Config(**{**T5_XXL_CONFIG, **(config or {})}))
-        if not os.path.isdir(version):
-            raise ValueError(
-                f"{key}.version: the folder '{version}' does not exist; give a local folder "
-                "with a T5EncoderModel (text_encoder_3/ of an SD3 diffusers model), or leave "
-                "it unset to take T5's weights from the SD3 file"
-            )
         if config:
             raise ValueError(f"{key}.config only shapes the random-init model; remove it")
         return T5EncoderModel.from_pretrained(version, local_files_only=True)

@@ -5,7 +5,7 @@ txt2img samples that checkpoint with the flow Euler sampler under classifier-fre
 import pytest
 import txt2img
 from PIL import Image
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, run_main, run_main_here
 from sd3_helpers import T5_CONFIG, t5_tokenizer_folder
 
 from ldm.layout import family
@@ -66,3 +66,20 @@ def test_txt2img_samples_the_sd3_checkpoint_with_guidance(sd3_run, tmp_path):
     # guidance reads the unconditional side: another scale, another image
     plain = generate(sd3_run, tmp_path / "c", "--scale", "1")
     assert plain[0].read_bytes() != guided[0].read_bytes()
+
+
+def test_a_missing_t5_folder_is_one_line_and_exit_2(tmp_path, shapes_dir):
+    result = run_main_here(
+        [
+            *("--base", str(TINY), f"data.params.train.params.data_root={shapes_dir}"),
+            f"model.params.conditioner_config.params.t5xxl={{tokenizer: {tmp_path / 'no-t5'}}}",
+            *("-l", str(tmp_path / "logs"), "-t"),
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if "no-t5" in line]
+    assert len(lines) == 1 and "conditioner_config.params.t5xxl.tokenizer" in lines[0], (
+        result.stderr
+    )
+    assert not (tmp_path / "logs").exists()  # before the run folder

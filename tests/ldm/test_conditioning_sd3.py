@@ -209,3 +209,18 @@ def test_state_dict_is_stabilitys_text_encoder_layout(tmp_path):
         fresh.t5xxl.transformer.encoder.embed_tokens.weight,
         state["t5xxl.transformer.shared.weight"],
     )
+
+
+def test_a_file_without_an_encoders_weights(t5_folder, tmp_path):
+    """sd3.5_large.safetensors has no text_encoders.*: an encoder from its own folder keeps its
+    weights; one built for the file's weights (T5 without `version`) is one line."""
+    state = SD3Conditioner(**tiny_conditioner_params(None)).state_dict()  # no T5 in the file
+    from_folder = SD3Conditioner(
+        **{**tiny_conditioner_params(None), "t5xxl": {"version": str(t5_folder)}}
+    )
+    before = {k: v.clone() for k, v in from_folder.t5xxl.state_dict().items()}
+    assert not from_folder.load_state_dict(state, strict=True).missing_keys
+    assert all(torch.equal(v, from_folder.t5xxl.state_dict()[k]) for k, v in before.items())
+    built = SD3Conditioner(**tiny_conditioner_params(t5_tokenizer_folder(tmp_path)))
+    with pytest.raises(ValueError, match=r"^the weights file has no t5xxl weights .*t5xxl: null"):
+        built.load_state_dict(state, strict=True)
