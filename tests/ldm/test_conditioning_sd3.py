@@ -51,7 +51,7 @@ def randomised(conditioner: SD3Conditioner) -> SD3Conditioner:
     return conditioner
 
 
-def diffusers_pipeline(conditioner: SD3Conditioner, t5_folder: Path | None):
+def diffusers_pipeline(conditioner: SD3Conditioner, t5_folder: Path | None, clip_folder: Path):
     """StableDiffusion3Pipeline whose text encoders are loaded by diffusers' single-file rules
     from our state dict in Stability's layout (strict: every key used, none missing)."""
     state = {STABILITY_PREFIX + k: v for k, v in conditioner.state_dict().items()}
@@ -75,8 +75,7 @@ def diffusers_pipeline(conditioner: SD3Conditioner, t5_folder: Path | None):
         )
         tokenizer_3 = AutoTokenizer.from_pretrained(t5_folder)
     # SD3's tokenizer_2 pads with "!" (id 0), its tokenizer with <|endoftext|>.
-    tokenizer_2 = AutoTokenizer.from_pretrained(conditioner.clip_l.tokenizer.name_or_path, pad_token="!") \
-        if conditioner.clip_l.tokenizer.name_or_path else None  # fmt: skip
+    tokenizer_2 = AutoTokenizer.from_pretrained(clip_folder, pad_token="!")
     transformer = SD3Transformer2DModel(
         sample_size=8,
         patch_size=2,
@@ -89,7 +88,7 @@ def diffusers_pipeline(conditioner: SD3Conditioner, t5_folder: Path | None):
         pooled_projection_dim=40,
         out_channels=4,
         pos_embed_max_size=8,
-    )  # fmt: skip  - only its joint_attention_dim is read (the zeros without T5)
+    )  # fmt: skip - only its joint_attention_dim is read (the zeros without T5)
     return StableDiffusion3Pipeline(
         transformer=transformer,
         scheduler=None,
@@ -103,10 +102,6 @@ def diffusers_pipeline(conditioner: SD3Conditioner, t5_folder: Path | None):
     )
 
 
-def clip_pad_tokenizer(conditioner):
-    return conditioner.clip_l.tokenizer
-
-
 @pytest.mark.parametrize("with_t5", [True, False])
 def test_matches_diffusers_encode_prompt(t5_folder, tmp_path, with_t5):
     params = tiny_conditioner_params(None)
@@ -115,8 +110,7 @@ def test_matches_diffusers_encode_prompt(t5_folder, tmp_path, with_t5):
     conditioner = randomised(SD3Conditioner(**params))
     # A CLIP tokenizer folder for diffusers' tokenizer_2 (same vocabulary, "!" padding).
     conditioner.clip_l.tokenizer.save_pretrained(tmp_path / "clip_tok")
-    conditioner.clip_l.tokenizer.name_or_path = str(tmp_path / "clip_tok")
-    pipe = diffusers_pipeline(conditioner, t5_folder if with_t5 else None)
+    pipe = diffusers_pipeline(conditioner, t5_folder if with_t5 else None, tmp_path / "clip_tok")
     with torch.no_grad():
         embeds, neg_embeds, pooled, neg_pooled = pipe.encode_prompt(
             PROMPTS, None, None, do_classifier_free_guidance=True, max_sequence_length=T5_TOKENS
