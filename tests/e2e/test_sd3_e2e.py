@@ -68,6 +68,7 @@ def test_txt2img_samples_the_sd3_checkpoint_with_guidance(sd3_run, tmp_path):
     assert plain[0].read_bytes() != guided[0].read_bytes()
 
 
+@pytest.mark.slow
 def test_a_missing_t5_folder_is_one_line_and_exit_2(tmp_path, shapes_dir):
     result = run_main_here(
         [
