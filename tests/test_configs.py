@@ -13,6 +13,7 @@ The list is a glob, so a new config is covered the day it is added. Each one run
   VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE.
 """
 
+import json
 import re
 from pathlib import Path
 
@@ -76,6 +77,8 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
     unet_key, unet = part(params, "unet_config", "backbone_config", "network_config")
     if unet.target.startswith("ldm.dit"):
         return tiny_dit_overrides(model)
+    if unet.target.startswith("ldm.mmdit"):
+        return tiny_sd3_overrides(model)
     if unet.params.model_channels <= TINY_WIDTH:
         return []
     if "conditioner_config" in params and params.conditioner_config.target.endswith(
@@ -154,6 +157,26 @@ def tiny_dit_overrides(model: DictConfig) -> list[str]:
             f"{key}.context_dim=32",
         ]
     return overrides + ["data.params.train.params.size=16"]  # 16 px -> 8 x 8 latents
+
+
+def tiny_sd3_overrides(model: DictConfig) -> list[str]:
+    """An SD 3.5 config at toy size: configs/sd3/tiny.yaml's MMDiT, VAE and text encoders (no
+    T5: its tokenizer folder is the user's); [] for that tiny config itself."""
+    if model.params.backbone_config.params.get("hidden_size", 1536) <= TINY_WIDTH:
+        return []
+    tiny = OmegaConf.to_container(
+        OmegaConf.load(ROOT / "configs" / "sd3" / "tiny.yaml").model.params
+    )  # values as JSON, which a dotlist reads as YAML
+    text = "model.params.conditioner_config.params"
+    vae = "model.params.first_stage_config.params.ddconfig"
+    return [
+        f"model.params.backbone_config={json.dumps(tiny['backbone_config'])}",
+        *(f"{text}.{k}={json.dumps(v)}" for k, v in tiny["conditioner_config"]["params"].items()),
+        f"{vae}.ch=32",
+        f"{vae}.ch_mult=[1,2]",
+        f"{vae}.num_res_blocks=1",
+        f"{vae}.resolution=32",
+    ]
 
 
 def tiny_data_and_trainer(tmp_path: Path) -> Path:
@@ -273,7 +296,7 @@ def test_every_config_trains_two_steps_through_the_launcher(
     )
     class_labels = conditioner.endswith("ClassLabels")
     # a text encoder is in the checkpoint (SDXL: sgm's conditioner); class labels have no weights
-    text = ("cond_stage_model.", "conditioner.embedders.")
+    text = ("cond_stage_model.", "conditioner.embedders.", "text_encoders.")
     assert backbone and (class_labels or any(k.startswith(text) for k in state))
     if start is not None:  # the run started from the tiny checkpoint and trained its UNet
         vae = [k for k in start if k.startswith("first_stage_model.")]

@@ -4,6 +4,8 @@ Every loader and script asks `model_family` (of a file's keys, and of the built 
 before loading, so a file of another family or kind is one sentence naming both, not a
 size-mismatch dump. The families, by the keys that only they have (`shared/reference/`):
 
+- SD 3 / 3.5: `joint_blocks.*` (MMDiT, bare or under the backbone prefix) or `text_encoders.*`
+  (`ldm.layout.sd3`) - checked before DiT, whose `x_embedder.*` an MMDiT shares.
 - DiT: `x_embedder.*` / `t_embedder.*` (facebookresearch/DiT), bare or under the backbone's
   `model.diffusion_model.` - checked first: a text DiT also has a text encoder.
 - SDXL: `conditioner.embedders.*` (sgm's conditioner: CLIP-L + OpenCLIP bigG).
@@ -25,7 +27,10 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
+from ldm.layout import sd3
+
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
+SD3 = "SD 3"  # SD 3 / 3.5 (MMDiT): ldm.layout.sd3's keys
 
 BACKBONE = "model.diffusion_model."
 _DIT_KEYS = ("x_embedder.", "t_embedder.")
@@ -57,6 +62,8 @@ def model_family(keys: Iterable[str]) -> str | None:
     keys = list(keys)
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA
+    if sd3.is_sd3(keys):  # before DiT: an MMDiT has x_embedder / t_embedder too
+        return SD3
     if any(k.removeprefix(BACKBONE).startswith(_DIT_KEYS) for k in keys):
         return DIT
     for prefix, family in _TEXT_ENCODERS:
@@ -77,6 +84,8 @@ def diffusers_family(folder: str | Path) -> str | None:
         name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
     except (OSError, ValueError):
         return None
+    if name.startswith("StableDiffusion3"):
+        return SD3
     if "XL" in name:
         return SDXL
     if name.startswith("DiT"):
