@@ -218,6 +218,15 @@ class EMA(Callback):
         timed = not self._decided and self._probe_start is None
         start = time.perf_counter()
         with self._full_weights(pl_module) as params:
+            if next(iter(params.values())).device.type == "cpu":
+                # Weights in host memory: fold them in directly, now. A staging copy for a worker
+                # thread would cost more CPU time than the fold it lets overlap (and training
+                # already keeps the cores busy).
+                self._fold_in(1.0 - keep, None, self._ordered(params)[0])
+                if timed:
+                    self._update_seconds = time.perf_counter() - start
+                    self._probe_start = (step, time.perf_counter())
+                return
             self._stage(params)
             if self._copy_done is not None and shards_weights(pl_module.trainer.strategy):
                 # Gathered weights are freed when the block ends: the copy must have read them.
@@ -232,32 +241,34 @@ class EMA(Callback):
             self._fold_in(1.0 - keep, self._copy_done)
 
     def _stage(self, params: dict[str, torch.Tensor]) -> None:
-        """Copy the weights into the CPU staging buffers (asynchronously from an accelerator)."""
+        """Copy the accelerator's weights into the CPU staging buffers, asynchronously.
+
+        Side stream: the copy overlaps the next forward/backward; it starts after the optimizer
+        step that produced these weights and must end before the next one
+        (`on_before_optimizer_step` makes the device wait for `_copy_done`)."""
         device = next(iter(params.values())).device
         sources, staging, _ = self._ordered(params)
-        if device.type == "cpu":
-            torch._foreach_copy_(staging, sources)  # one call for all tensors
-        else:
-            # Side stream: the copy overlaps the next forward/backward; it starts after the
-            # optimizer step that produced these weights and must end before the next one
-            # (`on_before_optimizer_step` makes the device wait for `_copy_done`).
-            if self._copy_stream is None:
-                self._copy_stream = torch.Stream(device=device)
-            copy_stream = self._copy_stream
-            copy_stream.wait_stream(torch.accelerator.current_stream(device))
-            with copy_stream:
-                torch._foreach_copy_(staging, sources, non_blocking=True)
-            self._copy_done = copy_stream.record_event()
+        if self._copy_stream is None:
+            self._copy_stream = torch.Stream(device=device)
+        copy_stream = self._copy_stream
+        copy_stream.wait_stream(torch.accelerator.current_stream(device))
+        with copy_stream:
+            torch._foreach_copy_(staging, sources, non_blocking=True)  # one call for all tensors
+        self._copy_done = copy_stream.record_event()
 
-    def _fold_in(self, weight: float, copy_done: torch.Event | None) -> None:
-        """shadow <- shadow + weight * (staging - shadow), on the CPU."""
+    def _fold_in(
+        self, weight: float, copy_done: torch.Event | None, sources: list | None = None
+    ) -> None:
+        """shadow <- shadow + weight * (source - shadow), on the CPU; the source is the staging
+        buffers unless given (the weights themselves, when they are in host memory)."""
         if copy_done is not None:
             copy_done.synchronize()
         _, staging, shadows = self._ordered(None)
-        if all(s.dtype == torch.float32 for s in staging):
-            torch._foreach_lerp_(shadows, staging, weight)  # one call for all tensors
+        sources = staging if sources is None else sources
+        if all(s.dtype == torch.float32 for s in sources):
+            torch._foreach_lerp_(shadows, sources, weight)  # one call for all tensors
         else:
-            torch._foreach_lerp_(shadows, [s.float() for s in staging], weight)
+            torch._foreach_lerp_(shadows, [s.float() for s in sources], weight)
 
     def _ordered(self, params: dict[str, torch.Tensor] | None) -> tuple[list, list, list]:
         """(detached weights, staging buffers, shadows) as parallel lists for the foreach

@@ -15,8 +15,18 @@ class NonFiniteLossError(RuntimeError):
 
 def nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor:
     """1.0 when some gradient entry is NaN/inf, else 0.0: a 0-d float tensor on the gradients'
-    device, computed there (one fused norm over all tensors; no host sync). The inf-norm
-    (largest |g|) is NaN/inf exactly when some entry is, and cannot overflow."""
+    device, computed there (no host sync).
+
+    On accelerators: one fused inf-norm over all tensors (largest |g|: NaN/inf exactly when some
+    entry is, and it cannot overflow), a read-only pass. On the CPU torch's inf-norm is a slow
+    per-tensor reduction (~15x the time of the check below for the demo UNet, more than the
+    fused AdamW step itself), so there GradScaler's own check is used: it sets the flag when an
+    entry is not finite and multiplies by an inverse scale of 1, which leaves every gradient bit
+    for bit as it was (`x * 1 == x`, NaN, inf and -0 included)."""
+    if grads[0].device.type == "cpu" and not any(g.is_sparse for g in grads):
+        found = torch.zeros((), dtype=torch.float32)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.ones(()))
+        return found
     largest = torch.stack(torch._foreach_norm(grads, float("inf"))).max()
     return torch.isfinite(largest).logical_not().float()
 

@@ -3,7 +3,7 @@ import torch
 from callback_testing import TinyDiffusion, WeightRecorder
 from lightning.pytorch.callbacks import Callback
 
-from lun.callbacks.nan_guard import NaNGuard, NonFiniteLossError
+from lun.callbacks.nan_guard import NaNGuard, NonFiniteLossError, nonfinite_flag
 
 
 def same(a: dict, b: dict) -> bool:
@@ -57,6 +57,24 @@ def test_too_many_bad_steps_stop_with_the_last_good_weights(
         for n, w in recorder.by_step[2].items()
     )
     assert checkpoint["callbacks"][guard.state_key] == {"skipped_steps": 3, "consecutive": 3}
+
+
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
+def test_the_flag_is_any_non_finite_entry_and_leaves_the_gradients_bit_for_bit(bad):
+    # Entries whose squares overflow fp32 (3e38) and a -0 are finite: no flag, nothing changed.
+    grads = [
+        torch.tensor([3e38, -3e38, -0.0, 1e-45]),
+        torch.randn(4, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16),
+        torch.ones(7, dtype=torch.float16),
+    ]
+    if bad is not None:
+        grads[1][2, 3] = bad
+    bits = [g.view(torch.int32 if g.dtype == torch.float32 else torch.int16).clone() for g in grads]
+    flag = nonfinite_flag(grads)
+    expected = not all(bool(x) for g in grads for x in torch.isfinite(g.float()).flatten())
+    assert flag.shape == () and flag.item() == float(expected) == float(bad is not None)
+    for g, b in zip(grads, bits):
+        assert torch.equal(g.view(b.dtype), b)
 
 
 def test_bad_setting_is_refused():
