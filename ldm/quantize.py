@@ -32,6 +32,7 @@ class Fp8Storage(nn.Module):
     bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448."""
 
     def _store(self, weight: torch.Tensor) -> None:
+        self.stored_dtype = weight.dtype  # what a checkpoint holds it as (`dequantize`)
         w = weight.detach().float()
         amax = (
             w.reshape(w.shape[0], -1).abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
@@ -171,6 +172,30 @@ def _kind_of(layer: nn.Module) -> str | None:
         return "fp8"
     name = type(layer).__name__
     return {"Linear8bitLt": "int8", "Linear4bit": "nf4"}.get(name)
+
+
+def quantized_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The quantized layers of `module` by name."""
+    return {name: m for name, m in module.named_modules() if _kind_of(m) is not None}
+
+
+@torch.no_grad()
+def dequantize(layer: nn.Module) -> torch.Tensor:
+    """A quantized layer's weight as a plain tensor in the dtype it was quantized from (its
+    compute dtype for bitsandbytes): what a checkpoint holds, so that files do not depend on
+    the base's quantization."""
+    kind = _kind_of(layer)
+    if kind == "fp8":
+        return layer.dequantized(layer.stored_dtype)
+    import bitsandbytes as bnb
+
+    weight = layer.weight
+    if kind == "nf4":
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
+            layer.compute_dtype
+        )
+    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
+    return (weight.data.float() * weight.SCB.float()[:, None] / 127).to(torch.float32)
 
 
 def unsupported(kind: str, device: torch.device) -> str | None:
