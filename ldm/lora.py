@@ -182,6 +182,8 @@ def _check_quantization(values: Mapping) -> None:
     swap = values.get("blocks_to_swap", 0)
     if isinstance(swap, bool) or not isinstance(swap, int) or swap < 0:
         _fail("blocks_to_swap", f"must be a whole number >= 0, got {swap!r}")
+    if swap and kind == "int8":  # Linear8bitLt keeps its own reference to the int8 weight
+        _fail("blocks_to_swap", "not with an int8 base (bitsandbytes); use fp8 or nf4")
 
 
 # --- which layers --------------------------------------------------------------------------

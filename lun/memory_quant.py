@@ -253,7 +253,7 @@ def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, Memo
     )
 
 
-def describe(counts, kind, swap, plan, rank, pixels, batch) -> str:
+def describe(counts, kind, swap, plan, rank=16, pixels=1024, batch=1) -> str:
     setting = f"{kind} base" + (f" + {swap} blocks swapped" if swap else "")
     return (
         f"{counts.name} LoRA rank {rank}, {pixels} px, batch {batch}: {setting}, "
@@ -278,12 +278,17 @@ def main(argv=None) -> int:
         else:
             kind, swap = args.base, args.blocks_to_swap
             plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
-            plan.check()
+            if plan.peak(DEVICE) > budget:
+                fits = describe(counts, *choose(counts, budget, **settings), **settings)
+                raise MemoryPlanError(
+                    f"memory plan: {describe(counts, kind, swap, plan, **settings)} does not "
+                    f"fit; this does: {fits}"
+                )
     except MemoryPlanError as err:
         print(err, file=sys.stderr)
         return 2
     print(plan.table())
-    print(describe(counts, kind, swap, plan, args.rank, args.pixels, args.batch))
+    print(describe(counts, kind, swap, plan, **settings))
     return 0
 
 

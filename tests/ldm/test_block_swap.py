@@ -101,3 +101,25 @@ def test_the_state_dict_is_the_full_weights_whatever_is_loaded():
     assert state.keys() == before.keys()
     assert all(torch.equal(state[k], before[k]) for k in before)
     model.load_state_dict(before)  # loading fills the host copies
+
+
+def test_an_nf4_base_swaps_and_computes_the_same():
+    pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantize_frozen
+
+    plain = tiny_dit().requires_grad_(False).eval()
+    for block in blocks_of(plain):
+        quantize_frozen(block, "nf4", torch.float32)
+    swapped = copy.deepcopy(plain)
+    swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    args = (x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    with torch.no_grad():
+        assert torch.equal(swapped(*args), plain(*args))
+
+
+def test_int8_with_block_swap_is_refused_by_name():
+    from ldm.lora import parse_settings
+
+    with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: not with an int8"):
+        parse_settings({"base_quantization": "int8", "blocks_to_swap": 2})

@@ -116,6 +116,8 @@ def test_gradients_reach_the_adapters_and_not_the_base(kind):
     assert quantize.quantize_frozen(model, kind, torch.float32) == 2
     assert all(quantize.is_quantized(model[i].base_layer) for i in (0, 2))
     model(torch.randn(5, 64)).square().sum().backward()
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(adapters) == 4 and all("lora_" in n for n in adapters)  # A, B of both layers
     for name, p in model.named_parameters():
         if "lora_" in name:
             assert p.grad is not None and p.grad.abs().sum() > 0, name
@@ -189,3 +191,26 @@ def test_unsupported_names_what_to_do():
     assert quantize.unsupported("fp8", torch.device("cpu")) is None
     why = quantize.unsupported("int8", torch.device("meta"))
     assert why is not None and why.startswith("int8 does not run on meta")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
+def test_dequantize_gives_the_weight_within_its_format_bound(kind):
+    """What checkpoints hold (ldm.lora.save_layout): each weight within its format's step."""
+    if kind != "fp8":
+        pytest.importorskip("bitsandbytes")
+    layer, _ = layer_and_input()
+    w = layer.weight
+    rows = w.abs().amax(dim=1, keepdim=True)
+    if kind == "fp8":
+        bound = 2**-4 * w.abs() + 2**-10 * rows / 448
+    elif kind == "int8":
+        # one step of absmax / 127 (round-to-nearest would halve it; the CPU backend scales
+        # in reduced precision and misses half a step by up to ~8 %)
+        bound = (rows / 127).expand_as(w)
+    else:
+        half_gap = max(b - a for a, b in zip(NF4_LEVELS, NF4_LEVELS[1:])) / 2
+        blocks = w.reshape(-1, quantize.NF4_BLOCK).abs().amax(dim=1, keepdim=True)
+        bound = (blocks * half_gap + 2**-5 * blocks.max()).expand(-1, 64).reshape(w.shape)
+    got = quantize.dequantize(quantize.quantized_layer(layer, kind, torch.float32))
+    assert got.shape == w.shape and got.dtype == torch.float32
+    assert ((got - w).abs() <= bound * 1.001 + 1e-7).all()
