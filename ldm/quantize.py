@@ -194,8 +194,18 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
             layer.compute_dtype
         )
-    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
-    return (weight.data.float() * weight.SCB.float()[:, None] / 127).to(torch.float32)
+    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
+    # bitsandbytes keeps the scales in the layer's state instead of on the weight
+    scales = int8_scales(layer)
+    return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
+
+
+def int8_scales(layer: nn.Module) -> torch.Tensor | None:
+    """The row scales (SCB) of a bitsandbytes Linear8bitLt, wherever it keeps them."""
+    scales = getattr(layer.weight, "SCB", None)
+    if scales is None:
+        scales = getattr(getattr(layer, "state", None), "SCB", None)
+    return scales
 
 
 def unsupported(kind: str, device: torch.device) -> str | None:

@@ -51,6 +51,8 @@ def weight_bytes(rows: int, cols: int, kind: str, dtype_size: int = 2) -> int:
 def quantization_state_bytes(module: torch.nn.Module) -> int:
     """Bytes bitsandbytes keeps outside parameters and buffers: int8's row scales (SCB) and
     nf4's quantization state (absmax, the second level, the maps)."""
+    from ldm.quantize import int8_scales
+
     total = 0
     for layer in module.modules():
         weight = getattr(layer, "weight", None)
@@ -60,7 +62,7 @@ def quantization_state_bytes(module: torch.nn.Module) -> int:
             if getattr(state, "nested", False):
                 tensors += [state.state2.absmax, state.state2.code, state.offset]
             total += sum(t.numel() * t.element_size() for t in tensors)
-        scb = getattr(weight, "SCB", None)
+        scb = int8_scales(layer) if type(layer).__name__ == "Linear8bitLt" else None
         if isinstance(scb, torch.Tensor):
             total += scb.numel() * scb.element_size()
     return total
