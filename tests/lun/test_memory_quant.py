@@ -100,3 +100,31 @@ def test_main_prints_the_one_line(capsys):
     assert line.startswith("Flux.1-dev LoRA rank 16, 1024 px, batch 1: fp8 base, ")
     assert line.endswith(" of 24.00 GiB")
     assert main(["--device-memory", "2", "--base", "none"]) == 2
+
+
+def test_auto_takes_the_first_format_whose_plan_fits(tiny_config):
+    import lightning.pytorch as pl
+    from lora_helpers import build
+
+    from ldm import quantize
+    from lun.memory import HOST, memory_plan
+    from lun.memory_quant import plan_with_quantization
+
+    def plan_for(budget):
+        model = build(tiny_config, "{rank: 2, base_quantization: auto}")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+
+        def make_plan():  # without the process's resident set, which moves between builds
+            plan = memory_plan(model, trainer, activations=0, host_budget=budget)
+            plan.parts = [p for p in plan.parts if p.name != "process"]
+            return plan
+
+        return model, plan_with_quantization(model, trainer, make_plan)
+
+    model, roomy = plan_for(2**40)
+    assert model.lora_settings.base_quantization == "none" and not quantize.is_quantized(model)
+    # a budget just under the full-precision plan: fp8 is the first that fits, and the plan
+    # that comes back is the quantized model's own
+    model, tight = plan_for(roomy.peak(HOST) - 2**10)
+    assert model.lora_settings.base_quantization == "fp8" and quantize.is_quantized(model)
+    assert tight.peak(HOST) <= roomy.peak(HOST) - 2**10
