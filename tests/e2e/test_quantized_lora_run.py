@@ -96,3 +96,26 @@ def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shap
         torch.testing.assert_close(
             plain.apply_model(x, torch.tensor([300]), cond), expected, rtol=0, atol=1e-5
         )
+
+
+def test_an_unknown_quantization_is_one_line_before_the_run_folder(
+    tmp_path, tiny_config, shapes_dir
+):
+    from run_helpers import run_main_here
+
+    result = run_main_here(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            "model.params.lora={rank: 4, base_quantization: int4}",
+            "-l",
+            str(tmp_path / "logs"),
+            "-t",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()[-1:]
+    assert "model.params.lora.base_quantization: must be one of none, int8, nf4, fp8, auto" in line
+    assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()
