@@ -211,7 +211,7 @@ def over_channels(layer: nn.Module, h: torch.Tensor, height: int, width: int) ->
     applied as one on this layout, SD 1 and SD 2 share a path without a conv + permute copy. A
     layer that must run its own forward - wrapped by a LoRA adapter (`ldm.lora`), or frozen in
     another dtype outside autocast - is called as itself, in its own layout."""
-    if isinstance(layer, (nn.Linear, nn.Conv2d)) and (
+    if type(layer) in (nn.Linear, nn.Conv2d) and (  # not a quantized subclass (ldm.quantize)
         layer.weight.dtype == h.dtype or torch.is_autocast_enabled(h.device.type)
     ):
         return F.linear(h, layer.weight.flatten(1), layer.bias)

@@ -74,6 +74,12 @@ class LoraSettings:
     base_dtype: the frozen weights' dtype while training: "auto" = the trainer's precision
         (bf16 / fp16 under bf16-mixed / 16-mixed, single device or DDP; FSDP and DeepSpeed
         manage dtypes themselves), or "fp32", "bf16", "fp16". Adapters stay float32.
+    base_quantization: the frozen backbone's Linear weights stored quantized while training
+        (`ldm.quantize`): "none", "int8" / "nf4" (bitsandbytes), "fp8" (float8_e4m3fn storage,
+        also the convolutions), or "auto": the first of none, fp8, int8, nf4 whose memory plan
+        fits the device (`lun.memory_quant`). The adapters and their files are the same.
+    blocks_to_swap: this many of the backbone's blocks live in host RAM and are streamed to the
+        device ahead of use (`ldm.block_swap`); 0: none.
     """
 
     rank: int = 4
@@ -86,6 +92,8 @@ class LoraSettings:
     init: str = "default"
     text_encoder: TextEncoderLora | None = None
     base_dtype: str = "auto"
+    base_quantization: str = "none"
+    blocks_to_swap: int = 0
 
     @property
     def scale_alpha(self) -> float:
@@ -143,6 +151,7 @@ def parse_settings(config: Mapping | None) -> LoraSettings | None:
         _fail(
             "base_dtype", f"must be one of {', '.join(BASE_DTYPES)}, got {values['base_dtype']!r}"
         )
+    _check_quantization(values)
     text = values.get("text_encoder")
     if text is not None:
         if not isinstance(text, Mapping):
@@ -157,6 +166,24 @@ def parse_settings(config: Mapping | None) -> LoraSettings | None:
             _fail("text_encoder.lr", f"must be a positive number, got {lr!r}")
         values["text_encoder"] = TextEncoderLora(**text)
     return LoraSettings(**values)
+
+
+def _check_quantization(values: Mapping) -> None:
+    from ldm.quantize import KINDS
+
+    kind = values.get("base_quantization", "none")
+    if kind not in KINDS:
+        _fail("base_quantization", f"must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind != "none" and values.get("dora", False):
+        _fail(
+            "base_quantization",
+            "DoRA reads the base weights' row norms; use a full-precision base (none) or dora: false",
+        )
+    swap = values.get("blocks_to_swap", 0)
+    if isinstance(swap, bool) or not isinstance(swap, int) or swap < 0:
+        _fail("blocks_to_swap", f"must be a whole number >= 0, got {swap!r}")
+    if swap and kind == "int8":  # Linear8bitLt keeps its own reference to the int8 weight
+        _fail("blocks_to_swap", "not with an int8 base (bitsandbytes); use fp8 or nf4")
 
 
 # --- which layers --------------------------------------------------------------------------
@@ -369,7 +396,41 @@ def save_layout(model: nn.Module, ckpt: dict) -> None:
     sharded checkpoints) keep the module's names: their loader reads them by those names."""
     state = ckpt.get("state_dict")
     if state and all(type(v) in (torch.Tensor, nn.Parameter) for v in state.values()):
+        _dequantized(model, state)
         ckpt["state_dict"] = checkpoint.to_original_layout(state, _backbone_names(model))
+
+
+def _quantized_entries(model: nn.Module, state: dict) -> dict[str, list[str]]:
+    """Quantized layer name -> its keys in `state` (the module's names)."""
+    from ldm import quantize
+
+    layers = quantize.quantized_layers(model)
+    return {n: [k for k in state if k.startswith(n + ".")] for n in layers}
+
+
+def _dequantized(model: nn.Module, state: dict) -> None:
+    """A quantized base's layers in `state` as plain `weight` (and `bias`) in host RAM, one
+    layer at a time: checkpoints are the same whatever the base's quantization."""
+    from ldm import quantize
+
+    for name, keys in _quantized_entries(model, state).items():
+        layer = model.get_submodule(name)
+        for key in keys:
+            del state[key]
+        state[f"{name}.weight"] = quantize.dequantize(layer).cpu()
+        if getattr(layer, "bias", None) is not None:
+            state[f"{name}.bias"] = layer.bias.detach().cpu()
+
+
+def _requantized(model: nn.Module, state: dict) -> None:
+    """Resuming onto a quantized base (quantized at fit start, before the restore): its frozen
+    layers keep the model's own quantized tensors - the same base file, quantized the same way
+    - in place of the checkpoint's plain copies."""
+    own = model.state_dict()
+    for name, keys in _quantized_entries(model, own).items():
+        for key in [k for k in state if k.startswith(name + ".")]:
+            del state[key]
+        state.update({k: own[k] for k in keys})
 
 
 def load_layout(model: nn.Module, ckpt: dict) -> None:
@@ -379,6 +440,7 @@ def load_layout(model: nn.Module, ckpt: dict) -> None:
         keys = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]]
         keys = [checkpoint.without_wrapper_levels(k) for k in keys]
         checkpoint.to_module_layout(state, keys, _backbone_names(model))
+        _requantized(model, state)
 
 
 def _clip_text_model(encoder: nn.Module) -> nn.Module | None:
@@ -425,9 +487,13 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> int:
     """Cast the frozen Linear / Conv2d layers of `module` to `dtype` (halves the base's memory
     under bf16/fp16 training); their inputs are cast on the way in and back on the way out.
     Norms stay float32 (small, and precision-sensitive). Returns the number of layers cast."""
+    from ldm.quantize import is_quantized
+
     count = 0
     for layer in module.modules():
         if not _lora_able(layer) or any(p.requires_grad for p in layer.parameters()):
+            continue
+        if is_quantized(layer):  # bitsandbytes' Linear8bitLt is an nn.Linear: its own dtypes
             continue
         if layer.weight.dtype == dtype:
             continue
@@ -703,5 +769,34 @@ def hold_base_for_training(model: nn.Module, trainer) -> None:
     ):
         return  # they flatten / cast the parameters themselves
     dtype = training_dtype(trainer.precision, settings.base_dtype)
+    quantize_base(model, settings.base_quantization, dtype or torch.float32, trainer)
     if dtype is not None and dtype != torch.float32:
         hold_frozen_in(model.model, dtype)
+    if settings.blocks_to_swap:
+        from ldm.block_swap import swap_blocks
+
+        swap_blocks(model.model, settings.blocks_to_swap, trainer.strategy.root_device)
+
+
+def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype, trainer=None) -> int:
+    """The frozen backbone quantized as `base_quantization` says (once: `lun.memory_quant`
+    may have done it before the plan; "auto" is resolved there, else it means none)."""
+    from ldm import quantize
+
+    if kind in ("none", "auto") or quantize.is_quantized(model.model):
+        return 0
+    device = trainer.strategy.root_device if trainer is not None else torch.device("cpu")
+    why = quantize.unsupported(kind, device)
+    if why:
+        _fail("base_quantization", why)
+    return quantize_blocks(model.model, kind, compute_dtype)
+
+
+def quantize_blocks(backbone: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+    """The frozen layers of the backbone's blocks quantized (nearly all of its weights); the
+    embedders and the output layer, small and read for their dtype, stay as they are (as
+    musubi-tuner and ai-toolkit keep them)."""
+    from ldm import quantize
+    from ldm.block_swap import blocks_of
+
+    return sum(quantize.quantize_frozen(b, kind, compute_dtype) for b in blocks_of(backbone))

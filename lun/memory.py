@@ -549,6 +549,9 @@ def memory_plan(
         detail = f"{sharding.buckets / 1e6:.0f} M values (reduce_bucket_size)"
         parts.append(Part("DeepSpeed buckets", sharding.buckets * size, DEVICE, detail))
     parts += _frozen_parts(model, precision, trainable_ids)
+    from lun.memory_quant import quantization_state_part  # (it imports this module)
+
+    parts += quantization_state_part(model)  # bitsandbytes' scales: not parameters or buffers
     process = _process_part(model)  # before the probe, whose freed blocks the heap keeps
     how = "measured by one probe step"
     if activations is None and (batch is None or not model.automatic_optimization):
@@ -717,10 +720,16 @@ def plan_run(model, data, trainer, host_gib: float | None = None, device_gib: fl
             raise
         where = f"the probe batch (batch {data.batch_size('train')})"
         raise _refusal(err, where, trainer.strategy.root_device) from err
-    return memory_plan(
+    from lun.memory_quant import plan_with_quantization
+
+    return plan_with_quantization(  # a quantized base: quantized before it is measured
         model,
         trainer,
-        batch,
-        host_budget=None if host_gib is None else int(host_gib * GiB),
-        device_budget=None if device_gib is None else int(device_gib * GiB),
+        lambda: memory_plan(
+            model,
+            trainer,
+            batch,
+            host_budget=None if host_gib is None else int(host_gib * GiB),
+            device_budget=None if device_gib is None else int(device_gib * GiB),
+        ),
     )

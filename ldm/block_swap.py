@@ -1,0 +1,189 @@
+"""Block swap: the frozen weights of some of the backbone's blocks kept in host RAM and streamed
+to the compute device ahead of use, for a base that does not fit the device even quantized.
+
+Each swapped block holds its frozen parameters and buffers in (pinned, on an accelerator) host
+memory; on the device at most `resident` of them are present at once: the block computing and
+the next one, copied in ahead on a side stream while the current one computes (the approach of
+musubi-tuner's and OneTrainer's block swap). Trainable tensors (the adapters) never move. A
+block that left the device holds empty placeholders, so running it without loading it fails
+loudly instead of computing with stale weights.
+
+The backward pass needs the weights again (the gradient of a block's input is W^T times the
+output's), so a swapped block runs under activation checkpointing (Chen et al. 2016,
+arXiv:1604.06174): its forward saves nothing, and the backward recomputes it - loading the block
+again, in reverse order, with the block before it prefetched.
+"""
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def blocks_of(backbone: nn.Module) -> list[nn.Module]:
+    """The backbone's blocks in the order they run: the items of its ModuleLists of modules
+    with weights (DiT / MMDiT `blocks`, the UNet's `input_blocks` and `output_blocks`, Flux's
+    `double_blocks` and `single_blocks`), nested lists left to their parent."""
+    found, seen = [], set()
+    for _, module in backbone.named_modules():
+        if isinstance(module, nn.ModuleList) and id(module) not in seen:
+            items = [m for m in module if any(True for _ in m.parameters())]
+            if len(items) > 1:
+                found += items
+                seen.update(id(m) for m in module.modules())
+    return found
+
+
+class BlockSwap:
+    """Streams `blocks` (in their running order) between host RAM and `device`, keeping at most
+    `resident` of them there (2: the one computing and the one prefetched)."""
+
+    def __init__(self, blocks: list[nn.Module], device: torch.device, resident: int = 2):
+        if resident < 1:
+            raise ValueError("block swap: at least one block must fit on the device")
+        self.blocks, self.device, self.resident = blocks, torch.device(device), resident
+        accelerator = self.device.type != "cpu"
+        # Side stream for the copies, so that they overlap the compute (no streams on the CPU:
+        # the same code path runs as plain copies).
+        self.stream = torch.Stream(device=self.device) if accelerator else None
+        self.host = []  # per block: [(module, name, is_parameter, host tensor)]
+        for block in blocks:
+            tensors = []
+            for module in block.modules():
+                for name, p in module.named_parameters(recurse=False):
+                    if not p.requires_grad:
+                        tensors.append((module, name, True, self._to_host(p.data, accelerator)))
+                for name, b in module.named_buffers(recurse=False):
+                    if b is not None:
+                        tensors.append((module, name, False, self._to_host(b, accelerator)))
+            self.host.append(tensors)
+        self.loaded: list[int] = []  # blocks on the device, oldest first
+        self.events: dict[int, object] = {}
+        self.last: int | None = None
+        for index in range(len(blocks)):
+            self._set(index, None)
+
+    @staticmethod
+    def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+        host = tensor.detach().to("cpu")  # on the CPU already: the same storage, no copy
+        return host.pin_memory() if pin else host  # pinned: copies can run asynchronously
+
+    def _set(self, index: int, tensors: list[torch.Tensor] | None) -> None:
+        """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders."""
+        for i, (module, name, is_parameter, host) in enumerate(self.host[index]):
+            value = tensors[i] if tensors is not None else host.new_empty(0, device=self.device)
+            if is_parameter:
+                module._parameters[name].data = value
+            else:
+                module._buffers[name] = value
+
+    def _fetch(self, index: int) -> None:
+        """Start copying block `index` to the device, making room first (oldest out)."""
+        if index in self.loaded or not 0 <= index < len(self.blocks):
+            return
+        while len(self.loaded) >= self.resident:
+            self._evict(self.loaded[0])
+        # Allocated on the compute stream (so freed there safely), filled on the side stream
+        # once the compute stream's earlier work is done.
+        tensors = [torch.empty_like(h, device=self.device) for *_, h in self.host[index]]
+        if self.stream is None:
+            for tensor, (*_, host) in zip(tensors, self.host[index]):
+                tensor.copy_(host)
+        else:
+            self.stream.wait_stream(torch.accelerator.current_stream(self.device))
+            with self.stream:
+                for tensor, (*_, host) in zip(tensors, self.host[index]):
+                    tensor.copy_(host, non_blocking=True)
+            self.events[index] = self.stream.record_event()
+        self._set(index, tensors)
+        self.loaded.append(index)
+
+    def _evict(self, index: int) -> None:
+        """Block `index` off the device: its weights are frozen, so the host copy is current."""
+        self._set(index, None)
+        self.loaded.remove(index)
+        self.events.pop(index, None)
+
+    def load(self, index: int) -> None:
+        """Block `index` on the device, ready for the compute stream, and its successor in the
+        running direction (forward: the next block; the backward's recompute: the previous one)
+        on its way."""
+        step = -1 if self.last is not None and index < self.last else 1
+        self.last = index
+        if index in self.loaded:  # prefetched: now the most recent
+            self.loaded.remove(index)
+            self.loaded.append(index)
+        else:
+            self._fetch(index)
+        event = self.events.pop(index, None)
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
+        if self.resident > 1:
+            self._fetch(index + step)
+
+    def state_dict_hook(self, index: int):
+        """A block's state dict from the host copies (whatever is on the device right now)."""
+
+        def hook(module, state, prefix, local_metadata):
+            for owner, name, _, host in self.host[index]:
+                path = _path(module, owner)
+                key = prefix + (path + "." if path else "") + name
+                if key in state:
+                    state[key] = host
+            return state
+
+        return hook
+
+    def load_hook(self, index: int):
+        """Loading a state dict into a swapped block fills the host copies."""
+
+        def hook(module, state, prefix, *args):
+            for owner, name, is_parameter, host in self.host[index]:
+                path = _path(module, owner)
+                key = prefix + (path + "." if path else "") + name
+                if key in state and state[key].shape == host.shape:
+                    host.copy_(state[key])
+                    current = owner._parameters[name] if is_parameter else owner._buffers[name]
+                    state[key] = current.detach()  # the load copies it onto itself
+
+        return hook
+
+
+def _path(root: nn.Module, module: nn.Module) -> str:
+    for name, found in root.named_modules():
+        if found is module:
+            return name
+    raise KeyError("module not in the block")
+
+
+def _swapped_forward(swap: BlockSwap, index: int, forward):
+    def run(*args, **kwargs):
+        swap.load(index)
+        return forward(*args, **kwargs)
+
+    def swapped(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        # Nothing of the block is saved for the backward: it recomputes (and reloads) it.
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    return swapped
+
+
+def swap_blocks(
+    backbone: nn.Module, count: int, device: torch.device, resident: int = 2
+) -> BlockSwap:
+    """Keep the first `count` blocks of `backbone` in host RAM, streamed to `device` when they
+    run. Call before the model moves to the device (Lightning's `setup`)."""
+    blocks = blocks_of(backbone)
+    if count > len(blocks):
+        raise ValueError(
+            f"model.params.lora.blocks_to_swap: {count} is more than the backbone's "
+            f"{len(blocks)} blocks"
+        )
+    swap = BlockSwap(blocks[:count], device, resident)
+    for index, block in enumerate(blocks[:count]):
+        block.forward = _swapped_forward(swap, index, block.forward)
+        block._register_state_dict_hook(swap.state_dict_hook(index))
+        block._register_load_state_dict_pre_hook(swap.load_hook(index), with_module=True)
+    backbone.block_swap = swap  # a plain attribute: not a module, not in the state dict
+    return swap

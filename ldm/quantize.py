@@ -1,0 +1,230 @@
+"""A quantized frozen base for LoRA: the backbone's frozen Linear (and, for fp8, Conv2d) weights
+stored in int8, nf4 or fp8, the adapters on top in bf16/fp32.
+
+- int8: LLM.int8 (Dettmers et al. 2022, arXiv:2208.07339), bitsandbytes' `Linear8bitLt`: each
+  output row scaled by its absmax to [-127, 127] (1 byte a value, one fp32 scale a row).
+- nf4: QLoRA's 4-bit NormalFloat (Dettmers et al. 2023, arXiv:2305.14314), bitsandbytes'
+  `Linear4bit`: blocks of 64 values scaled by their absmax onto 16 levels (half a byte a value);
+  the absmax values themselves quantized to 8 bits in blocks of 256 ("double quantization").
+- fp8: the weight as float8_e4m3fn (1 byte: 4 exponent, 3 mantissa bits, largest 448) with one
+  fp32 scale per output channel, upcast to the compute dtype in the forward. Any device that can
+  cast to float8 stores it (the matmul itself runs in bf16/fp32, so no fp8 tensor cores needed).
+
+The layers keep their module names, and peft's LoRA layers keep theirs: only a LoRA layer's
+`base_layer` (or a frozen layer without adapters) is replaced, so adapter files are the same
+whatever the base's quantization. Quantize after the base weights are loaded: this is the
+training-time form of the base, made at fit start (`ldm.lora.hold_base_for_training`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("none", "int8", "nf4", "fp8", "auto")
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+NF4_BLOCK = 64  # bitsandbytes' Linear4bit default blocksize
+
+
+class Fp8Storage(nn.Module):
+    """Common part of the fp8 layers: `weight` held as float8_e4m3fn bits (a uint8 buffer, so
+    that a module-wide `.to(bf16)` - Lightning's true precision, `hold_frozen_in` - leaves the
+    bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448."""
+
+    def _store(self, weight: torch.Tensor) -> None:
+        self.stored_dtype = weight.dtype  # what a checkpoint holds it as (`dequantize`)
+        w = weight.detach().float()
+        amax = (
+            w.reshape(w.shape[0], -1).abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+        )
+        scale = (amax / FP8_MAX).reshape(-1, *[1] * (w.dim() - 1))
+        self.register_buffer("weight", (w / scale).to(FP8).view(torch.uint8))
+        self.register_buffer("weight_scale", scale)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
+        return (self.weight.view(FP8).float() * self.weight_scale.float()).to(dtype)
+
+    @staticmethod
+    def compute_dtype(x: torch.Tensor) -> torch.dtype:
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
+
+class Fp8Linear(Fp8Storage):
+    """A frozen nn.Linear with fp8 storage; output in the input's dtype (or autocast's)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self._store(linear.weight)
+        self.bias = linear.bias  # frozen, small: kept as it was
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype(x)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.dequantized(dtype), bias)
+
+
+class Fp8Conv2d(Fp8Storage):
+    """A frozen nn.Conv2d (zero padding) with fp8 storage, its kernel scaled per output channel."""
+
+    def __init__(self, conv: nn.Conv2d):
+        super().__init__()
+        self.stride, self.padding = conv.stride, conv.padding
+        self.dilation, self.groups = conv.dilation, conv.groups
+        self._store(conv.weight)
+        self.bias = conv.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = self.compute_dtype(x)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        weight = self.dequantized(dtype)
+        return F.conv2d(
+            x.to(dtype), weight, bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+
+def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear8bitLt(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        has_fp16_weights=False,  # int8 storage; no fp16 copy kept
+        threshold=6.0,  # LLM.int8's outlier threshold: such input columns stay 16-bit
+        device="meta",
+    )
+    weight = linear.weight.detach().to(compute_dtype)
+    layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return layer.to(linear.weight.device)  # bitsandbytes quantizes on the move
+
+
+def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    import bitsandbytes as bnb
+
+    layer = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=True,  # QLoRA's double quantization of the absmax values
+        quant_type="nf4",
+        device="meta",
+    )
+    weight = linear.weight.detach().to(compute_dtype)
+    layer.weight = bnb.nn.Params4bit(
+        weight, requires_grad=False, compress_statistics=True, quant_type="nf4"
+    )
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return layer.to(linear.weight.device)
+
+
+def quantized_layer(module: nn.Module, kind: str, compute_dtype: torch.dtype) -> nn.Module | None:
+    """The quantized replacement of a frozen layer, or None when `kind` leaves it as it is."""
+    if type(module) is nn.Linear:
+        if kind == "fp8":
+            return Fp8Linear(module)
+        if kind == "int8":
+            return _int8(module, compute_dtype)
+        if kind == "nf4":
+            return _nf4(module, compute_dtype)
+    if type(module) is nn.Conv2d and kind == "fp8" and module.padding_mode == "zeros":
+        # (bitsandbytes has no convolutions: int8 / nf4 leave them as they are)
+        return Fp8Conv2d(module)
+    return None
+
+
+def quantize_frozen(module: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+    """Replace every frozen Linear (fp8: also Conv2d) of `module` - the base layer of a peft
+    LoRA layer or a layer without adapters - by its `kind` quantized form. Trainable layers and
+    the adapters stay as they are. Returns the number of layers replaced."""
+    if kind in ("none", None):
+        return 0
+    targets = [
+        (name, child)
+        for name, child in module.named_modules()
+        if type(child) in (nn.Linear, nn.Conv2d)
+        and not any(p.requires_grad for p in child.parameters())
+    ]
+    count = 0
+    for name, child in targets:
+        replacement = quantized_layer(child, kind, compute_dtype)
+        if replacement is None:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, replacement)
+        count += 1
+    return count
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return any(_kind_of(m) is not None for m in module.modules())
+
+
+def _kind_of(layer: nn.Module) -> str | None:
+    if isinstance(layer, Fp8Storage):
+        return "fp8"
+    name = type(layer).__name__
+    return {"Linear8bitLt": "int8", "Linear4bit": "nf4"}.get(name)
+
+
+def quantized_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The quantized layers of `module` by name."""
+    return {name: m for name, m in module.named_modules() if _kind_of(m) is not None}
+
+
+@torch.no_grad()
+def dequantize(layer: nn.Module) -> torch.Tensor:
+    """A quantized layer's weight as a plain tensor in the dtype it was quantized from (its
+    compute dtype for bitsandbytes): what a checkpoint holds, so that files do not depend on
+    the base's quantization."""
+    kind = _kind_of(layer)
+    if kind == "fp8":
+        return layer.dequantized(layer.stored_dtype)
+    import bitsandbytes as bnb
+
+    weight = layer.weight
+    if kind == "nf4":
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
+            layer.compute_dtype
+        )
+    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
+    # bitsandbytes keeps the scales in the layer's state instead of on the weight
+    scales = int8_scales(layer)
+    return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
+
+
+def int8_scales(layer: nn.Module) -> torch.Tensor | None:
+    """The row scales (SCB) of a bitsandbytes Linear8bitLt, wherever it keeps them."""
+    scales = getattr(layer.weight, "SCB", None)
+    if scales is None:
+        scales = getattr(getattr(layer, "state", None), "SCB", None)
+    return scales
+
+
+def unsupported(kind: str, device: torch.device) -> str | None:
+    """Why `kind` cannot run on `device` with what is installed (None: it can), found by
+    quantizing and running one small layer there - the installed bitsandbytes' own answer."""
+    if kind in ("none", "auto"):
+        return None
+    if kind in ("int8", "nf4"):
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            return f"{kind} needs bitsandbytes (pip install bitsandbytes), or use fp8"
+    try:
+        layer = nn.Linear(64, 64).to(device).requires_grad_(False)
+        dtype = torch.float32
+        quantized = quantized_layer(layer, kind, dtype)
+        x = torch.randn(2, 64, device=device, requires_grad=True)
+        quantized(x).sum().backward()
+    except Exception as err:  # whatever the backend raises: its first line names it
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        return f"{kind} does not run on {device.type} here ({first}); use fp8 or none"
+    return None

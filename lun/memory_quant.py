@@ -1,0 +1,298 @@
+"""The memory plan of a LoRA run on a quantized frozen base, with block swap: what the base's
+weights take in each format, the choice of `base_quantization: auto`, and the plan of a model
+from its parameter counts alone (Flux.1-dev, before any of its code runs).
+
+Bytes per frozen weight (the formats of `ldm.quantize`):
+
+    none   the compute dtype's size (bf16 2 B, fp32 4 B)
+    fp8    1 B + one fp32 scale per output channel
+    int8   1 B + one fp32 scale per output row (bitsandbytes' SCB)
+    nf4    0.5 B + one uint8 absmax per block of 64 (double quantization) + one fp32 absmax per
+           256 of those + the 8-bit map of that second level (256 fp32) + the 16 NF4 levels
+           (fp32) per layer
+
+Block swap keeps the swapped blocks in host RAM and `resident` of them on the device at once.
+
+The launcher's plan (`lun.memory.plan_run`) quantizes the built model before it measures, so its
+parts are the real tensors; `quantization_state_part` adds what bitsandbytes keeps outside the
+parameters. `auto` tries none, fp8, int8, nf4 in that order (each costs more precision than the
+one before) and takes the first whose plan fits the device.
+"""
+
+import argparse
+import dataclasses
+import math
+import sys
+
+import torch
+
+from lun.memory import DEVICE, HOST, GiB, MemoryPlan, MemoryPlanError, Part, _gib
+
+ORDER = ("none", "fp8", "int8", "nf4")  # the cheapest in precision first
+NF4_BLOCK, DQ_BLOCK = 64, 256
+# What a CUDA process holds besides tensors: its context, cuBLAS / cuDNN workspaces and the
+# caching allocator's fragmentation. An assumption (typically 0.5-1 GiB on an H100 / 4090).
+RUNTIME = 1 * GiB
+
+
+def weight_bytes(rows: int, cols: int, kind: str, dtype_size: int = 2) -> int:
+    """Bytes of one (rows x cols) frozen weight matrix stored as `kind` (see the table above)."""
+    n = rows * cols
+    if kind == "none":
+        return n * dtype_size
+    if kind in ("fp8", "int8"):
+        return n + 4 * rows
+    if kind == "nf4":
+        blocks = math.ceil(n / NF4_BLOCK)
+        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4 * 16
+    raise ValueError(f"unknown quantization {kind!r}")
+
+
+def quantization_state_bytes(module: torch.nn.Module) -> int:
+    """Bytes bitsandbytes keeps outside parameters and buffers: int8's row scales (SCB) and
+    nf4's quantization state (absmax, the second level, the maps)."""
+    from ldm.quantize import int8_scales
+
+    total = 0
+    for layer in module.modules():
+        weight = getattr(layer, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None:
+            tensors = [state.absmax, state.code]
+            if getattr(state, "nested", False):
+                tensors += [state.state2.absmax, state.state2.code, state.offset]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        scb = int8_scales(layer) if type(layer).__name__ == "Linear8bitLt" else None
+        if isinstance(scb, torch.Tensor):
+            total += scb.numel() * scb.element_size()
+    return total
+
+
+def quantization_state_part(model: torch.nn.Module) -> list[Part]:
+    """The plan's part for the state above (none: no part)."""
+    nbytes = quantization_state_bytes(model)
+    if not nbytes:
+        return []
+    return [Part("frozen: quantization state", nbytes, DEVICE, "bitsandbytes scales and absmax")]
+
+
+def _frozen_block_layers(model) -> list[tuple[int, int]]:
+    """(rows, cols) of the frozen Linear / Conv2d weights in the backbone's blocks: what
+    `ldm.lora.quantize_blocks` quantizes."""
+    from torch import nn
+
+    from ldm.block_swap import blocks_of
+
+    found = []
+    for block in blocks_of(model.model):
+        for m in block.modules():
+            if type(m) in (nn.Linear, nn.Conv2d) and not m.weight.requires_grad:
+                found.append((m.weight.shape[0], m.weight[0].numel()))
+    return found
+
+
+def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
+    """`make_plan()` (lun.memory.memory_plan) after quantizing `model`'s base as its LoRA
+    settings say; `auto` picks the first of ORDER whose plan fits the device. A setting that
+    the installed bitsandbytes or the device cannot run is refused in one line."""
+    from ldm import lora, quantize
+
+    settings = getattr(model, "lora_settings", None)
+    if settings is None or settings.base_quantization == "none":
+        return make_plan()
+    dtype = lora.training_dtype(trainer.precision, settings.base_dtype) or torch.float32
+    kind = settings.base_quantization
+    if kind != "auto":
+        lora.quantize_base(model, kind, dtype, trainer)  # refuses an unsupported one
+        return make_plan()
+    if trainer.world_size > 1:
+        raise MemoryPlanError(
+            "model.params.lora.base_quantization: auto is chosen by rank 0's plan; name the "
+            f"format ({', '.join(ORDER)}) for a run on {trainer.world_size} processes"
+        )
+    plan = make_plan()
+    place = DEVICE if plan.device != "cpu" else HOST
+    budget = plan.budget(place)
+    layers = _frozen_block_layers(model)
+    size = dtype.itemsize
+    now = sum(weight_bytes(r, c, "none", size) for r, c in layers)
+    device = trainer.strategy.root_device
+    chosen, need = "none", plan.peak(place)
+    for kind in ORDER:
+        if kind != "none" and quantize.unsupported(kind, device):
+            continue
+        need = plan.peak(place) - now + sum(weight_bytes(r, c, kind, size) for r, c in layers)
+        chosen = kind
+        if budget is None or need <= budget:
+            break
+    model.lora_settings = dataclasses.replace(settings, base_quantization=chosen)
+    print(f"base_quantization auto: {chosen} base, {_gib(need)} of {_gib(budget)}")
+    if chosen == "none":
+        return plan
+    lora.quantize_base(model, chosen, dtype, trainer)
+    return make_plan()
+
+
+# --- a plan from parameter counts ------------------------------------------------------------
+@dataclasses.dataclass
+class BlockCounts:
+    """One kind of block: its Linear weights (rows, cols), other values (biases, norms), how
+    many of it, and the activations one of it keeps per token (values, see `ModelCounts`)."""
+
+    linears: list[tuple[int, int]]
+    other: int
+    count: int
+    activations_per_token: int
+
+
+@dataclasses.dataclass
+class ModelCounts:
+    name: str
+    blocks: list[BlockCounts]
+    rest_linears: list[tuple[int, int]]  # embedders and the output layer (kept as they are)
+    rest_other: int
+    hidden: int
+
+    def total(self) -> int:
+        values = sum(r * c for r, c in self.rest_linears) + self.rest_other
+        for b in self.blocks:
+            values += b.count * (sum(r * c for r, c in b.linears) + b.other)
+        return values
+
+
+def flux_dev(h: int = 3072, double: int = 19, single: int = 38) -> ModelCounts:
+    """Flux.1-dev's transformer (BFL's flux/model.py, FluxParams of "flux-dev"): hidden 3072,
+    24 heads of 128, MLP ratio 4, 19 double-stream and 38 single-stream blocks, 64-channel
+    patches (16 latent channels x 2 x 2), T5 4096 wide, CLIP pooled 768, guidance embedding.
+    Linear weights by shape (out, in); biases and RMSNorm scales as `other`. Other widths and
+    depths: the same architecture reduced (the plan's checks against measured memory)."""
+    mlp, head = 4 * h, 128
+    double_linears = 2 * [(6 * h, h), (3 * h, h), (h, h), (mlp, h), (h, mlp)]  # img and txt
+    double_other = 2 * (6 * h + 3 * h + h + mlp + h + 2 * head)
+    single_linears = [(3 * h + mlp, h), (h, h + mlp), (3 * h, h)]  # linear1, linear2, modulation
+    single_other = 3 * h + mlp + h + 3 * h + 2 * head
+    # Per token, the values one block's forward makes that its backward reads (q, k, v, the
+    # attention output, the MLP's hidden before and after its GELU, the modulated inputs), at
+    # twice for their gradients while the block's backward runs: an estimate from the shapes.
+    double_act = 2 * (3 * h + h + 2 * mlp + 2 * h)
+    single_act = 2 * (3 * h + mlp + h + mlp + (h + mlp) + h)
+    mlp_embed = [(h, 256), (h, h)]  # timestep / guidance MLPs
+    rest = [(h, 64), (h, 4096), *mlp_embed, *mlp_embed, (h, 768), (h, h), (2 * h, h), (64, h)]
+    rest_other = h + h + 3 * (2 * h) + 2 * h + 64
+    return ModelCounts(
+        "Flux.1-dev" if (h, double, single) == (3072, 19, 38) else "Flux-like",
+        [
+            BlockCounts(double_linears, double_other, double, double_act),
+            BlockCounts(single_linears, single_other, single, single_act),
+        ],
+        rest,
+        rest_other,
+        h,
+    )
+
+
+def counts_plan(
+    counts: ModelCounts,
+    kind: str,
+    rank: int = 16,
+    pixels: int = 1024,
+    batch: int = 1,
+    blocks_to_swap: int = 0,
+    resident: int = 2,
+    text_tokens: int = 512,
+    device_budget: int | None = None,
+) -> MemoryPlan:
+    """The plan of LoRA (all the blocks' Linear layers, `rank`) on `counts`' model in bf16
+    compute: base as `kind`, AdamW on fp32 adapters, activation checkpointing per block (block
+    swap needs it; without it a 12 B transformer's activations alone pass 24 GiB), latents and
+    text embeddings cached (no VAE or text encoder on the device)."""
+    tokens = batch * ((pixels // 16) ** 2 + text_tokens)  # 8x VAE, 2x2 patches
+    parts, block_bytes = [], []
+    for b in counts.blocks:
+        one = sum(weight_bytes(r, c, kind) for r, c in b.linears) + 2 * b.other
+        block_bytes += [one] * b.count
+    swapped = block_bytes[:blocks_to_swap]
+    on_device = sum(block_bytes[blocks_to_swap:])
+    rest = sum(weight_bytes(r, c, "none") for r, c in counts.rest_linears) + 2 * counts.rest_other
+    detail = f"{counts.total() / 1e9:.2f} B values, blocks {kind}, embedders bf16"
+    parts.append(Part("frozen: base", on_device + rest, DEVICE, detail))
+    if swapped:
+        parts.append(Part("frozen: swapped blocks", sum(swapped), HOST, "pinned host RAM"))
+        staging = resident * max(swapped)
+        parts.append(Part("block swap staging", staging, DEVICE, f"{resident} blocks on device"))
+    adapters = sum(b.count * sum(rank * (r + c) for r, c in b.linears) for b in counts.blocks)
+    parts.append(Part("weights (trainable)", adapters * 4, DEVICE, f"{adapters / 1e6:.1f} M, fp32"))
+    parts.append(Part("gradients", adapters * 4, DEVICE, "fp32"))
+    parts.append(Part("optimizer state", adapters * 8, DEVICE, "AdamW, 2 fp32 moments"))
+    depth = sum(b.count for b in counts.blocks)
+    saved = depth * tokens * counts.hidden * 2  # each block's input, bf16
+    working = max(b.activations_per_token for b in counts.blocks) * tokens * 2
+    parts.append(
+        Part("activations", saved + working, DEVICE, f"checkpointed per block, {tokens} tokens")
+    )
+    parts.append(Part("runtime", RUNTIME, DEVICE, "CUDA context, workspaces (assumed)"))
+    return MemoryPlan(parts, "cuda", device_budget=device_budget)
+
+
+def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, MemoryPlan]:
+    """The first setting that fits `budget`: each format of ORDER without swap, then fp8 and
+    nf4 with the fewest swapped blocks that fit. MemoryPlanError (the options) when none does."""
+    depth = sum(b.count for b in counts.blocks)
+    tried = []
+    for kind, swap in [
+        *((k, 0) for k in ORDER),
+        *((k, n) for k in ("fp8", "nf4") for n in range(1, depth)),
+    ]:
+        plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
+        if plan.peak(DEVICE) <= budget:
+            return kind, swap, plan
+        if swap in (0, depth - 1):
+            tried.append(
+                f"{kind}{f' + {swap} blocks swapped' if swap else ''} {_gib(plan.peak(DEVICE))}"
+            )
+    raise MemoryPlanError(
+        f"memory plan: {counts.name} LoRA does not fit {_gib(budget)}: " + "; ".join(tried)
+    )
+
+
+def describe(counts, kind, swap, plan, rank=16, pixels=1024, batch=1) -> str:
+    setting = f"{kind} base" + (f" + {swap} blocks swapped" if swap else "")
+    return (
+        f"{counts.name} LoRA rank {rank}, {pixels} px, batch {batch}: {setting}, "
+        f"{_gib(plan.peak(DEVICE))} of {_gib(plan.device_budget)}"
+    )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="The memory plan of Flux.1-dev LoRA by format.")
+    parser.add_argument("--device-memory", type=float, default=24, help="GiB")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--pixels", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--base", choices=[*ORDER, "auto"], default="auto")
+    parser.add_argument("--blocks-to-swap", type=int, default=0)
+    args = parser.parse_args(argv)
+    counts, budget = flux_dev(), int(args.device_memory * GiB)
+    settings = dict(rank=args.rank, pixels=args.pixels, batch=args.batch)
+    try:
+        if args.base == "auto":
+            kind, swap, plan = choose(counts, budget, **settings)
+        else:
+            kind, swap = args.base, args.blocks_to_swap
+            plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
+            if plan.peak(DEVICE) > budget:
+                fits = describe(counts, *choose(counts, budget, **settings), **settings)
+                raise MemoryPlanError(
+                    f"memory plan: {describe(counts, kind, swap, plan, **settings)} does not "
+                    f"fit; this does: {fits}"
+                )
+    except MemoryPlanError as err:
+        print(err, file=sys.stderr)
+        return 2
+    print(plan.table())
+    print(describe(counts, kind, swap, plan, **settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

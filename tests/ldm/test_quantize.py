@@ -1,0 +1,218 @@
+"""A quantized frozen base (ldm.quantize): each format's layer output stays within that format's
+error bound computed here from its definition (not from our code), gradients reach the adapters
+and not the base, and the whole backbones of every family quantize and still run."""
+
+import pytest
+import torch
+from torch import nn
+
+from ldm import quantize
+
+# QLoRA (arXiv:2305.14314) Appendix E: the 16 NF4 levels on [-1, 1].
+NF4_LEVELS = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]  # fmt: skip
+
+
+def layer_and_input(seed=0, n_in=128, n_out=48):
+    torch.manual_seed(seed)
+    layer = nn.Linear(n_in, n_out).requires_grad_(False)
+    with torch.no_grad():  # rows of very different scales: a per-tensor scale would fail them
+        layer.weight.mul_(torch.logspace(-2, 1, n_out)[:, None])
+    return layer, torch.randn(6, n_in)
+
+
+def output_error_bound(x, weight_error_bound):
+    """|y - y_exact| <= sum_j |x_j| * max|dW_ij| (the input exact, fp32 compute)."""
+    return x.abs() @ weight_error_bound.t()
+
+
+def test_fp8_output_within_the_e4m3_rounding_bound():
+    layer, x = layer_and_input()
+    w = layer.weight
+    # e4m3: 3 mantissa bits, relative step 2^-3, so round-to-nearest errs by <= 2^-4 relative for
+    # normal values; below 2^-6 (subnormal) the absolute step is 2^-9: error <= 2^-10. In units
+    # of the scale s = row absmax / 448.
+    scale = w.abs().amax(dim=1, keepdim=True) / 448
+    bound = 2**-4 * w.abs() + 2**-10 * scale
+    quantized = quantize.Fp8Linear(layer)
+    error = (quantized(x) - layer(x)).abs()
+    assert (error <= output_error_bound(x, bound) + 1e-6).all()
+    assert quantized.weight.dtype == torch.uint8 and quantized.weight.view(quantize.FP8).dtype
+    # and it is a real rounding, not the identity: e4m3 cannot hold most fp32 values
+    assert error.max() > 0
+
+
+def test_fp8_conv_within_the_bound_and_the_module_cast_keeps_the_bytes():
+    torch.manual_seed(1)
+    conv = nn.Conv2d(8, 6, 3, padding=1).requires_grad_(False)
+    x = torch.randn(2, 8, 5, 5)
+    quantized = quantize.Fp8Conv2d(conv)
+    w = conv.weight
+    scale = w.abs().amax(dim=(1, 2, 3), keepdim=True) / 448
+    bound = (2**-4 * w.abs() + 2**-10 * scale).amax(dim=(2, 3))  # per (out, in), any tap
+    # each output sums in_ch * 9 products: bound with the largest |x| of each channel
+    xmax = x.abs().amax(dim=(2, 3))  # (B, in)
+    limit = (xmax @ bound.t() * 9)[:, :, None, None]
+    assert ((quantized(x) - conv(x)).abs() <= limit + 1e-6).all()
+    before = quantized.weight.clone()
+    quantized.to(torch.bfloat16)  # Lightning's bf16-true: the fp8 bytes must not be cast
+    assert torch.equal(quantized.weight, before)
+
+
+def test_int8_output_within_the_llm_int8_bound():
+    pytest.importorskip("bitsandbytes")
+    layer, x = layer_and_input()
+    w = layer.weight
+    # LLM.int8 (arXiv:2208.07339, Sec. 3): W row-wise and X row-wise absmax quantized to
+    # [-127, 127]: |dW_ij| <= absmax_i / 254, |dx_j| <= absmax(x) / 254 (inputs over the 6.0
+    # outlier threshold stay 16-bit, which only makes it smaller).
+    dw = w.abs().amax(dim=1, keepdim=True) / 254 * torch.ones_like(w)
+    dx = x.abs().amax(dim=1, keepdim=True) / 254
+    bound = x.abs() @ dw.t() + dx * (w.abs() + dw).sum(dim=1)[None]
+    quantized = quantize.quantized_layer(layer, "int8", torch.float32)
+    assert quantized.weight.dtype == torch.int8
+    error = (quantized(x) - layer(x)).abs()
+    assert (error <= bound * 1.01 + 1e-5).all()
+    assert error.max() > 0
+
+
+def test_nf4_output_within_the_nf4_bound():
+    pytest.importorskip("bitsandbytes")
+    layer, x = layer_and_input()
+    w = layer.weight
+    # NF4: blocks of 64 consecutive values scaled by their absmax c onto the 16 levels: error
+    # <= half the widest gap times c. Double quantization stores c itself in 8 bits (the
+    # dynamic map, blocks of 256 absmax values, QLoRA Sec. 3): at the top of its range the map's
+    # step is 2^-4 of the group's largest c, so c errs by up to 2^-5 of max c.
+    half_gap = max(b - a for a, b in zip(NF4_LEVELS, NF4_LEVELS[1:])) / 2
+    blocks = w.reshape(-1, quantize.NF4_BLOCK)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    dw = (absmax * half_gap + 2**-5 * absmax.max()).expand_as(blocks)
+    quantized = quantize.quantized_layer(layer, "nf4", torch.float32)
+    assert quantized.weight.numel() == w.numel() // 2  # two values a byte
+    error = (quantized(x) - layer(x)).abs()
+    assert (error <= output_error_bound(x, dw.reshape(w.shape)) + 1e-5).all()
+    assert error.max() > 0
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
+def test_gradients_reach_the_adapters_and_not_the_base(kind):
+    if kind != "fp8":
+        pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 32))
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0", "2"]), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    for name, p in model.named_parameters():  # nonzero B: gradients reach A too
+        if "lora_B" in name:
+            nn.init.normal_(p, std=0.1)
+    assert quantize.quantize_frozen(model, kind, torch.float32) == 2
+    assert all(quantize.is_quantized(model[i].base_layer) for i in (0, 2))
+    model(torch.randn(5, 64)).square().sum().backward()
+    adapters = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(adapters) == 4 and all("lora_" in n for n in adapters)  # A, B of both layers
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+        else:
+            assert p.grad is None, name
+    assert not any(b.requires_grad for b in model.buffers())
+
+
+def tiny_backbones():
+    from ldm.dit import DiT
+    from ldm.mmdit import MMDiT
+    from ldm.unet import UNetModel
+
+    unet = UNetModel(
+        image_size=8, in_channels=4, out_channels=4, model_channels=32, attention_resolutions=[2],
+        num_res_blocks=1, channel_mult=[1, 2], num_heads=2, use_spatial_transformer=True,
+        transformer_depth=1, context_dim=32,
+    )  # fmt: skip
+    x = torch.randn(2, 4, 8, 8)
+    t = torch.tensor([10, 500])
+    return {
+        "sd-unet": (unet, lambda m: m(x, t, context=torch.randn(2, 5, 32))),
+        "dit": (
+            DiT(input_size=8, patch_size=2, in_channels=4, hidden_size=64, depth=2, num_heads=4),
+            lambda m: m(x, t, {"y": torch.tensor([0, 1])}),
+        ),
+        "mmdit": (
+            MMDiT(depth=2, hidden_size=64, num_heads=2, in_channels=4, context_dim=24,
+                  pooled_dim=16, pos_embed_max_size=8, sample_size=8),
+            lambda m: m(x, t.float(), {"crossattn": torch.randn(2, 5, 24),
+                                       "vector": torch.randn(2, 16)}),
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("family", ["sd-unet", "dit", "mmdit"])
+def test_every_family_quantizes_to_fp8_like_a_3_bit_mantissa(family):
+    """The blocks' layers in fp8 err like weights rounded to 3 mantissa bits: about 2^4 times
+    the error of the same weights rounded to bf16's 7 bits (computed here by plain casts)."""
+    import copy
+
+    from ldm.block_swap import blocks_of
+    from ldm.lora import quantize_blocks
+
+    backbone, run = tiny_backbones()[family]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in backbone.parameters():  # past the zero inits, which would hide everything
+            p.add_(0.05 * torch.randn_like(p))
+    backbone.requires_grad_(False).eval()
+
+    def output(model):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            return run(model)
+
+    expected = output(backbone)
+    rounded = copy.deepcopy(backbone)
+    layers = [
+        m for b in blocks_of(rounded) for m in b.modules() if type(m) in (nn.Linear, nn.Conv2d)
+    ]
+    for layer in layers:
+        layer.weight.data = layer.weight.data.bfloat16().float()
+    bf16_error = (output(rounded) - expected).norm()
+    assert quantize_blocks(backbone, "fp8", torch.float32) == len(layers) > 0
+    fp8_error = (output(backbone) - expected).norm()
+    assert 2**2 < fp8_error / bf16_error < 2**6, (fp8_error / bf16_error).item()
+
+
+def test_unsupported_names_what_to_do():
+    assert quantize.unsupported("fp8", torch.device("cpu")) is None
+    why = quantize.unsupported("int8", torch.device("meta"))
+    assert why is not None and why.startswith("int8 does not run on meta")
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
+def test_dequantize_gives_the_weight_within_its_format_bound(kind):
+    """What checkpoints hold (ldm.lora.save_layout): each weight within its format's step."""
+    if kind != "fp8":
+        pytest.importorskip("bitsandbytes")
+    layer, _ = layer_and_input()
+    w = layer.weight
+    rows = w.abs().amax(dim=1, keepdim=True)
+    if kind == "fp8":
+        bound = 2**-4 * w.abs() + 2**-10 * rows / 448
+    elif kind == "int8":
+        # one step of absmax / 127 (round-to-nearest would halve it; the CPU backend scales
+        # in reduced precision and misses half a step by up to ~8 %)
+        bound = (rows / 127).expand_as(w)
+    else:
+        half_gap = max(b - a for a, b in zip(NF4_LEVELS, NF4_LEVELS[1:])) / 2
+        blocks = w.reshape(-1, quantize.NF4_BLOCK).abs().amax(dim=1, keepdim=True)
+        bound = (blocks * half_gap + 2**-5 * blocks.max()).expand(-1, 64).reshape(w.shape)
+    quantized = quantize.quantized_layer(layer, kind, torch.float32)
+    quantized(torch.randn(2, w.shape[1]))  # after a forward too (bitsandbytes moves its state)
+    got = quantize.dequantize(quantized)
+    assert got.shape == w.shape and got.dtype == torch.float32
+    assert ((got - w).abs() <= bound * 1.001 + 1e-7).all()

@@ -1,0 +1,130 @@
+"""The plan of a quantized base (lun.memory_quant): its byte counts per format against the
+tensors bitsandbytes / ldm.quantize really allocate, block swap's staging against the profiler's
+peak, Flux.1-dev's parameter count against the published one, and the choice it makes."""
+
+import pytest
+import torch
+from torch import nn
+
+from lun.memory import DEVICE, GiB, MemoryPlanError
+from lun.memory_probe import peak_allocated
+from lun.memory_quant import choose, counts_plan, flux_dev, quantization_state_bytes
+
+REDUCED = dict(h=256, double=2, single=3)  # Flux's blocks at a reduced width and depth
+
+
+def build(counts) -> nn.Module:
+    """Real modules with the counts' shapes: per block its Linear layers and its other values."""
+    backbone = nn.Module()
+    blocks = []
+    for kind in counts.blocks:
+        for _ in range(kind.count):
+            block = nn.Module()
+            block.layers = nn.ModuleList(nn.Linear(c, r, bias=False) for r, c in kind.linears)
+            block.other = nn.Parameter(torch.zeros(kind.other))
+            blocks.append(block)
+    backbone.blocks = nn.ModuleList(blocks)
+    return backbone.requires_grad_(False)
+
+
+def held_bytes(module: nn.Module) -> int:
+    """Every tensor the module holds: parameters, buffers and bitsandbytes' state."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) + quantization_state_bytes(module)
+
+
+def test_flux_dev_has_the_published_parameter_count():
+    # diffusers' FluxTransformer2DModel for black-forest-labs/FLUX.1-dev: 11,901,408,320
+    assert flux_dev().total() == 11_901_408_320
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "int8", "nf4"])
+def test_planned_base_bytes_are_the_allocated_ones_within_10_percent(kind):
+    if kind in ("int8", "nf4"):
+        pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantize_frozen
+
+    counts = flux_dev(**REDUCED)
+    counts.rest_linears, counts.rest_other = [], 0  # only the blocks here
+    backbone = build(counts).to(torch.bfloat16)
+    quantize_frozen(backbone, kind, torch.bfloat16)
+    measured = held_bytes(backbone)
+    planned = {p.name: p.nbytes for p in counts_plan(counts, kind).parts}["frozen: base"]
+    assert planned == pytest.approx(measured, rel=0.10)
+
+
+def test_block_swap_staging_is_the_profiled_peak():
+    from ldm.block_swap import BlockSwap
+    from ldm.quantize import quantize_frozen
+
+    counts = flux_dev(**REDUCED)
+    counts.rest_linears, counts.rest_other = [], 0
+    backbone = build(counts).to(torch.bfloat16)
+    quantize_frozen(backbone, "fp8", torch.bfloat16)
+    blocks, held = list(backbone.blocks), held_bytes(backbone)
+    swap = BlockSwap(blocks, torch.device("cpu"), resident=2)
+
+    def run_through():  # a forward's order, then the backward's
+        for i in [*range(len(blocks)), *reversed(range(len(blocks)))]:
+            swap.load(i)
+
+    measured = peak_allocated(run_through, torch.device("cpu"))
+    plan = counts_plan(counts, "fp8", blocks_to_swap=len(blocks))
+    planned = {p.name: p.nbytes for p in plan.parts}
+    assert planned["block swap staging"] == pytest.approx(measured, rel=0.10)
+    assert planned["frozen: base"] == 0  # every block in host RAM
+    assert planned["frozen: swapped blocks"] == pytest.approx(held, rel=0.10)
+
+
+def test_flux_dev_goals_fp8_under_22_and_nf4_with_swap_under_16_gib():
+    fp8 = counts_plan(flux_dev(), "fp8").peak(DEVICE)
+    assert fp8 <= 22 * GiB
+    kind, swap, plan = choose(flux_dev(), 16 * GiB)
+    assert plan.peak(DEVICE) <= 16 * GiB
+    # the full-precision base alone (11.9 B values, bf16) is 22.2 GiB: it cannot fit 24 GiB
+    assert choose(flux_dev(), 24 * GiB)[0] == "fp8"
+    nf4_swap = counts_plan(flux_dev(), "nf4", blocks_to_swap=20).peak(DEVICE)
+    assert nf4_swap < counts_plan(flux_dev(), "nf4").peak(DEVICE) <= 16 * GiB
+
+
+def test_a_budget_nothing_fits_is_refused_with_the_options():
+    with pytest.raises(MemoryPlanError, match=r"Flux.1-dev LoRA does not fit 2.00 GiB: none "):
+        choose(flux_dev(), 2 * GiB)
+
+
+def test_main_prints_the_one_line(capsys):
+    from lun.memory_quant import main
+
+    assert main(["--device-memory", "24"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("Flux.1-dev LoRA rank 16, 1024 px, batch 1: fp8 base, ")
+    assert line.endswith(" of 24.00 GiB")
+    assert main(["--device-memory", "2", "--base", "none"]) == 2
+
+
+def test_auto_takes_the_first_format_whose_plan_fits(tiny_config):
+    import lightning.pytorch as pl
+    from lora_helpers import build
+
+    from ldm import quantize
+    from lun.memory import HOST, memory_plan
+    from lun.memory_quant import plan_with_quantization
+
+    def plan_for(budget):
+        model = build(tiny_config, "{rank: 2, base_quantization: auto}")
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+
+        def make_plan():  # without the process's resident set, which moves between builds
+            plan = memory_plan(model, trainer, activations=0, host_budget=budget)
+            plan.parts = [p for p in plan.parts if p.name != "process"]
+            return plan
+
+        return model, plan_with_quantization(model, trainer, make_plan)
+
+    model, roomy = plan_for(2**40)
+    assert model.lora_settings.base_quantization == "none" and not quantize.is_quantized(model)
+    # a budget just under the full-precision plan: fp8 is the first that fits, and the plan
+    # that comes back is the quantized model's own
+    model, tight = plan_for(roomy.peak(HOST) - 2**10)
+    assert model.lora_settings.base_quantization == "fp8" and quantize.is_quantized(model)
+    assert tight.peak(HOST) <= roomy.peak(HOST) - 2**10
