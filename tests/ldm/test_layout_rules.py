@@ -52,7 +52,10 @@ def reference_parts() -> set[str]:
             first, _, rest = key.partition(".")
             if not rest:
                 continue  # a schedule buffer at the root
-            parts.add(f"{first}.{rest.split('.')[0]}." if first == "model" else f"{first}.")
+            if first == "model":  # and the backbone's name inside it, which EMA names use
+                parts |= {f"{first}.{rest.split('.')[0]}.", f"{rest.split('.')[0]}."}
+            else:
+                parts.add(f"{first}.")
     dit = json.loads((REFERENCE / "dit_xl2_256_keys.json").read_text())["keys"]
     parts |= {k.split(".")[0] + "." for k in dit if k.split(".")[0].endswith("_embedder")}
     return parts
@@ -64,7 +67,8 @@ def key_prefixes() -> tuple[str, ...]:
 
 def test_the_reference_parts_are_the_known_ones():
     """Guards the derivation above: it must find the parts of every family's files."""
-    expected = {"model.diffusion_model.", "first_stage_model.", "cond_stage_model."}
+    expected = {"model.diffusion_model.", "diffusion_model.", "first_stage_model."}
+    expected |= {"cond_stage_model."}
     expected |= {"conditioner.", "model_ema.", "x_embedder.", "t_embedder.", "y_embedder."}
     assert reference_parts() == expected
 
