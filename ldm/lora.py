@@ -219,7 +219,7 @@ def _inject(
 def layer_name(name: str) -> str:
     """A LoRA layer's module name without peft's `base_layer` levels (a layer inside a wrapped
     one: OpenCLIP's `attn.base_layer.out_proj` under the q/k/v parameter's wrapper)."""
-    return name.replace("." + peft.PEFT_BASE_LEVEL, ".")
+    return peft.without_base_level(name)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from ldm.layout import original
-from ldm.layout.dit import DIT_KEYS, is_train_checkpoint
+from ldm.layout.dit import DIT_KEYS, file_state_keys
 
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
 
@@ -132,12 +132,9 @@ def file_keys(path: str | Path, unsafe: bool = False) -> list[str]:
                 return list(f.keys())
         except SafetensorError as err:
             raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
-    from ldm.safe_load import load_file_state, state_dict_of
+    from ldm.safe_load import load_file_state
 
-    contents = load_file_state(path, unsafe=unsafe, mmap=True)
-    if is_train_checkpoint(contents):
-        contents = contents["ema"]
-    return list(state_dict_of(contents))
+    return file_state_keys(load_file_state(path, unsafe=unsafe, mmap=True))
 
 
 def file_family(path: str | Path, unsafe: bool = False) -> str | None:
