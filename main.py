@@ -142,7 +142,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
         print(f"config error: {err}", file=sys.stderr)
         return 2
-    except pickle.UnpicklingError as err:  # ldm.checkpoint.UnsafeCheckpointError: names the file
+    except pickle.UnpicklingError as err:  # ldm.safe_load.UnsafeCheckpointError: names the file
         print(f"error: {err}", file=sys.stderr)
         return 2
     except RuntimeError as err:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ldm.autoencoder import AutoencoderKL, DiagonalGaussianDistribution
-from ldm.checkpoint import drop_ema_shadows
+from ldm.layout.ema import drop_ema_shadows
 from ldm.util import instantiate_from_config
 
 GENERATOR_PARTS = ("encoder", "decoder", "quant_conv", "post_quant_conv")

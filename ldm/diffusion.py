@@ -20,6 +20,7 @@ from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
+from ldm.layout import original
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 from ldm.util import instantiate_from_config
@@ -143,8 +144,8 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         self.model = DiffusionWrapper(instantiate_from_config(backbone_config))
         self.first_stage_model = instantiate_from_config(first_stage_config)
         conditioner = instantiate_from_config(conditioner_config)
-        # The conditioner's checkpoint name is its own (see ldm.checkpoint.conditioner_name).
-        self._conditioner_name = checkpoint.conditioner_name(conditioner)
+        # The conditioner's checkpoint name is its own (see ldm.layout.original.conditioner_name).
+        self._conditioner_name = original.conditioner_name(conditioner)
         # (Set directly: add_module refuses "conditioner", the name of the property below.)
         self._modules[self._conditioner_name] = conditioner
         self.first_stage_model.requires_grad_(False)

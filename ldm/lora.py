@@ -7,7 +7,7 @@ rank. DoRA (Liu et al. 2024, arXiv:2402.09353) also learns the magnitude of each
 W' = m * (W + s B A) / ||W + s B A||. The layers are peft's; this module chooses which layers get
 them (the groups kohya-ss's networks use), keeps the base frozen in the training dtype, and
 writes and reads the kohya file format that AUTOMATIC1111, ComfyUI, Forge and diffusers load.
-Checkpoint key rules live in `ldm.checkpoint`, kohya / diffusers names in `ldm.lora_kohya`.
+Checkpoint key rules live in `ldm.layout.peft`, kohya / diffusers names in `ldm.layout.kohya`.
 """
 
 import dataclasses
@@ -20,7 +20,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ldm import checkpoint, lora_kohya
+from ldm.layout import kohya as lora_kohya
+from ldm.layout import peft, wrappers
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ def _inject(
 def layer_name(name: str) -> str:
     """A LoRA layer's module name without peft's `base_layer` levels (a layer inside a wrapped
     one: OpenCLIP's `attn.base_layer.out_proj` under the q/k/v parameter's wrapper)."""
-    return name.replace("." + checkpoint.PEFT_BASE_LEVEL, ".")
+    return peft.without_base_level(name)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -292,7 +293,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     if settings.text_encoder is not None:
         _add_text_adapters(model.conditioner, settings.text_encoder, common)
     for name, param in model.named_parameters():
-        param.requires_grad_(checkpoint.is_adapter_name(name))
+        param.requires_grad_(peft.is_adapter_name(name))
         if param.requires_grad:
             param.data = param.data.float()  # adapters in fp32 whatever the base's dtype
     from ldm import lora_fast  # imports peft (and bitsandbytes): only where adapters are made
@@ -370,7 +371,7 @@ def after_loading(model: nn.Module, state: Mapping) -> None:
     """After `model` loaded `state`: DoRA's magnitudes start as the norms of the base rows (the
     paper's init), so under fresh adapters (a base file: no `lora.` keys) they are computed
     again from the loaded weights."""
-    if any(k.startswith(checkpoint.LORA_PREFIX) for k in state):
+    if peft.has_adapters(state):
         return
     for layer in adapter_layers(model).values():
         if layer.use_dora.get(ADAPTER):
@@ -383,21 +384,21 @@ def after_loading(model: nn.Module, state: Mapping) -> None:
 
 
 def _to_peft_names(module_keys: list[str], module, state: dict, prefix: str, *args) -> None:
-    checkpoint.to_module_layout(state, [prefix + k for k in module_keys])
+    peft.to_module_layout(state, [prefix + k for k in module_keys])
 
 
 def _backbone_names(model: nn.Module) -> list[str]:
-    return [checkpoint.without_wrapper_levels(n) for n, _ in model.model.named_parameters()]
+    return [wrappers.without_wrapper_levels(n) for n, _ in model.model.named_parameters()]
 
 
 def save_layout(model: nn.Module, ckpt: dict) -> None:
     """A Lightning checkpoint's state dict (and the EMA's shadows in it) in the original layout
-    with the adapters apart (`ldm.checkpoint.to_original_layout`). Sharded state dicts (FSDP's
+    with the adapters apart (`ldm.layout.peft.to_original_layout`). Sharded state dicts (FSDP's
     sharded checkpoints) keep the module's names: their loader reads them by those names."""
     state = ckpt.get("state_dict")
     if state and all(type(v) in (torch.Tensor, nn.Parameter) for v in state.values()):
         _dequantized(model, state)
-        ckpt["state_dict"] = checkpoint.to_original_layout(state, _backbone_names(model))
+        ckpt["state_dict"] = peft.to_original_layout(state, _backbone_names(model))
 
 
 def _quantized_entries(model: nn.Module, state: dict) -> dict[str, list[str]]:
@@ -438,8 +439,8 @@ def load_layout(model: nn.Module, ckpt: dict) -> None:
     state = ckpt.get("state_dict")
     if state:
         keys = [n for n, _ in [*model.named_parameters(), *model.named_buffers()]]
-        keys = [checkpoint.without_wrapper_levels(k) for k in keys]
-        checkpoint.to_module_layout(state, keys, _backbone_names(model))
+        keys = [wrappers.without_wrapper_levels(k) for k in keys]
+        peft.to_module_layout(state, keys, _backbone_names(model))
         _requantized(model, state)
 
 

@@ -15,7 +15,7 @@ import os
 import torch
 from torch import nn
 
-from ldm.checkpoint import load_file_state, state_dict_of
+from ldm.safe_load import load_file_state, state_dict_of
 
 # torchvision's VGG16 `features`: output widths of the 13 convs, "M" a 2x2 max-pool.
 VGG16_LAYOUT = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ldm.noise import randn_like as _randn_like
 from ldm.sampling_learned import sample_ddpm_learned
 
 PARAMETERIZATIONS = ("eps", "v")
@@ -30,21 +31,6 @@ TIMESTEP_SPACINGS = ("leading", "linspace", "trailing")
 def _per_sample(values: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(B,) scalars -> (B, 1, 1, ...) on x's device and dtype, to scale a batch x."""
     return values.to(x.device, x.dtype).view(-1, *([1] * (x.ndim - 1)))
-
-
-def _randn_like(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Standard normal noise shaped like x, drawn from `generator` only (never the global RNG).
-
-    Drawn on the generator's device, then moved to x's device: a CPU generator gives the same
-    images on every accelerator, a device generator avoids the copy.
-    """
-    if generator is None:
-        raise ValueError(
-            "this sampler draws random noise: pass generator=torch.Generator(device).manual_seed(seed)"
-        )
-    return torch.randn(x.shape, generator=generator, device=generator.device, dtype=x.dtype).to(
-        x.device
-    )
 
 
 class Denoiser:

@@ -29,7 +29,7 @@ def sample_ddpm_learned(model, x, timesteps, extra_args=None, callback=None, gen
     generator: for the noise of every step but the last. callback({"i", "t", "x", "denoised"})
     after every step.
     """
-    from ldm.sampling import _randn_like  # the one rule for drawing noise (no import cycle)
+    from ldm.noise import randn_like as _randn_like  # the one rule for drawing noise
 
     extra_args = extra_args or {}
     timesteps = [int(t) for t in timesteps]

@@ -192,7 +192,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning CheckpointIO whose local writes are atomic (temp file, fsync, rename).
 
     Use: `Trainer(plugins=[AtomicCheckpointIO()])`. A local file loads after a check of its
-    pickle (ldm.checkpoint's allow-list), its weights lazily (`lazy_load_checkpoint`); removing
+    pickle (ldm.safe_load's allow-list), its weights lazily (`lazy_load_checkpoint`); removing
     is Lightning's own. Writing streams the tensors that exist into the file: no copies.
     Remote paths (`s3://...`) keep Lightning's fsspec transaction, which uploads the object whole.
     """
@@ -211,10 +211,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path, *args: Any, weights_only: bool | None = None, **kwargs: Any):
-        # Resuming from a file: its pickle is checked against the allow-list of ldm.checkpoint
+        # Resuming from a file: its pickle is checked against the allow-list of ldm.safe_load
         # first, unless the caller trusts it (`Trainer.fit(weights_only=False)`).
         if weights_only is not False and _is_local_file_protocol(path) and os.path.isfile(path):
-            from ldm.checkpoint import check_pickle
+            from ldm.safe_load import check_pickle
 
             check_pickle(path)
         if not _is_local_file_protocol(path) or not os.path.isfile(path):
@@ -231,7 +231,7 @@ def lazy_load_checkpoint(path: str | os.PathLike) -> dict:
     buffer, and freed right after (Lightning's lazy loader), so a resume needs one tensor of
     memory beyond what training holds. Everything else - the optimizer state, which becomes the
     optimizer's own tensors, and the loops' and callbacks' state - is read now. The pickle must
-    have been checked before (`ldm.checkpoint.check_pickle`): this loader trusts the file.
+    have been checked before (`ldm.safe_load.check_pickle`): this loader trusts the file.
     """
     from lightning.fabric.utilities.load import _lazy_load, _materialize_tensors
 

@@ -17,7 +17,7 @@ class TrainableModule(Protocol):
     """The contract between `lun` and a LightningModule it trains.
 
     ema_module: the module whose trainable weights the EMA callback averages (a submodule, or a
-        view of the module's own parts); the shadows' keys are `ldm.checkpoint.ema_key(name)`.
+        view of the module's own parts); the shadows' keys are `ldm.layout.ema.ema_key(name)`.
     log_images(batch, N, prompts, seed, sampler, steps, scale, **kwargs): images for the image
         logger, a dict of (N, 3, H, W) tensors in [-1, 1].
     latent_shape(height, width): (C, h, w) of the latent of an image of that size (raises

@@ -18,8 +18,8 @@ from PIL import Image, UnidentifiedImageError
 from PIL.PngImagePlugin import PngInfo
 
 from ldm import checkpoint
-from ldm.diffusers_layout import is_diffusers_folder
 from ldm.layout import family
+from ldm.layout.diffusers import is_diffusers_folder
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
 from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
@@ -50,7 +50,7 @@ def one_line_errors():
         KeyError,
         ValueError,
         ImportError,
-        pickle.UnpicklingError,  # ldm.checkpoint.UnsafeCheckpointError
+        pickle.UnpicklingError,  # ldm.safe_load.UnsafeCheckpointError
     ) as err:
         _fail(str(err).strip("'"), 2)
     except OSError as err:
@@ -116,7 +116,7 @@ def load_model(args) -> torch.nn.Module:
     cfg = model_config(args)
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)
-    expected = checkpoint.config_family(to_container(cfg.model))  # built on the meta device
+    expected = family.model_family(to_container(cfg.model))  # built on the meta device
     check_model_file(ckpt, expected, "--ckpt", args.unsafe_load)
     model = instantiate_from_config(to_container(cfg.model))
     checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load, what="--ckpt")
@@ -158,7 +158,7 @@ def check_lora_files(files: list[tuple[Path, float]]) -> None:
 def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:
     """LoRA files name the UNet's and text encoders' layers (kohya / diffusers): other
     backbones (DiT) have none of them."""
-    found = checkpoint.model_family_of(model)
+    found = family.model_family(model)
     if files and found not in (family.SD1, family.SD2, family.SDXL):
         raise checkpoint.WrongFileError(
             f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x and SDXL models; this "

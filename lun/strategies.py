@@ -41,7 +41,8 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ldm import checkpoint
+from ldm import safe_load
+from ldm.layout import original, peft, wrappers
 from ldm.util import get_obj_from_str, instantiate_from_config
 
 # Names Lightning registers for DeepSpeed (`deepspeed_stage_2_offload`, ...), as the params of
@@ -498,7 +499,7 @@ class FSDPStrategy(LightningFSDPStrategy):
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         reader = FileSystemReader(path)
-        level = checkpoint.SHARDED_MODULE_KEY + "."
+        level = wrappers.SHARDED_MODULE_KEY + "."
         stored = {
             key.removeprefix(level): meta
             for key, meta in reader.read_metadata().state_dict_metadata.items()
@@ -508,7 +509,7 @@ class FSDPStrategy(LightningFSDPStrategy):
         entries = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in wanted.items()}
         if entries:
             # Every rank reads them (a collective).
-            load({checkpoint.SHARDED_MODULE_KEY: entries}, storage_reader=reader)
+            load({wrappers.SHARDED_MODULE_KEY: entries}, storage_reader=reader)
         return entries
 
     @contextmanager
@@ -594,7 +595,7 @@ def _deepspeed_tag(path: Path) -> str:
 
 
 def check_checkpoint(path: str | Path, unsafe: bool = False) -> None:
-    """Refuse (`ldm.checkpoint.UnsafeCheckpointError`, naming the file and the class) a training
+    """Refuse (`ldm.safe_load.UnsafeCheckpointError`, naming the file and the class) a training
     checkpoint with any pickle outside the allow-list, before a loader that would run it does.
 
     A file is loaded weights-only; a folder has all its pickles checked: every `*.pt` in it and
@@ -606,16 +607,16 @@ def check_checkpoint(path: str | Path, unsafe: bool = False) -> None:
     if unsafe or not path.exists():
         return  # a missing checkpoint is the loader's error to report
     if path.is_file():
-        checkpoint.check_pickle(path)
+        safe_load.check_pickle(path)
         return
     records = _deepspeed_records()
     if any(p.name.endswith(".metadata") for p in path.iterdir()):
-        checkpoint.check_sharded_folder(path, records)
+        safe_load.check_sharded_folder(path, records)
     files = set(path.rglob("*.pt"))
     if (path / "latest").is_file():
         files |= set((path / _deepspeed_tag(path)).rglob("*.pt"))
     for file in sorted(files):
-        checkpoint.check_pickle(file, records)
+        safe_load.check_pickle(file, records)
 
 
 def load_training_checkpoint(path: str | Path, unsafe: bool = False, mmap: bool = False) -> dict:
@@ -627,12 +628,12 @@ def load_training_checkpoint(path: str | Path, unsafe: bool = False, mmap: bool 
     - a sharded FSDP folder (`.metadata` + shards): merged with torch.distributed.checkpoint.
 
     The weights come back in the original Stable Diffusion layout. Every pickle is checked with
-    `weights_only=True` (the allow-list of `ldm.checkpoint`) unless `unsafe`. `mmap`: a file's
+    `weights_only=True` (the allow-list of `ldm.safe_load`) unless `unsafe`. `mmap`: a file's
     tensors stay in the file until read (a converter reads each once).
     """
     path = Path(path)
     if path.is_file():
-        return checkpoint.load_file_state(path, unsafe=unsafe, mmap=mmap)
+        return safe_load.load_file_state(path, unsafe=unsafe, mmap=mmap)
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if (path / "latest").is_file() or list(path.glob("*/*model_states.pt")):
@@ -654,7 +655,7 @@ def _merge_deepspeed(path: Path, unsafe: bool) -> dict:
     tag = _deepspeed_tag(path)
     # Rank 0's model file (`mp_rank_00_*`, `zero_pp_rank_0_*` under ZeRO-3) has the client state.
     client_file = sorted((path / tag).glob("*model_states.pt"))[0]
-    client = checkpoint.load_file_state(client_file, unsafe, extra_globals=_deepspeed_records())
+    client = safe_load.load_file_state(client_file, unsafe, extra_globals=_deepspeed_records())
     state = dict(get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag))
     return _as_lightning_checkpoint(state, client)
 
@@ -665,16 +666,16 @@ def _merge_fsdp_shards(path: Path, unsafe: bool) -> dict:
     # torch.distributed.checkpoint unpickles `.metadata` and non-tensor entries fully.
     check_checkpoint(path, unsafe)
     merged = _load_distributed_checkpoint(path)
-    return _as_lightning_checkpoint(dict(merged.pop(checkpoint.SHARDED_MODULE_KEY)), merged)
+    return _as_lightning_checkpoint(dict(merged.pop(wrappers.SHARDED_MODULE_KEY)), merged)
 
 
 def _as_lightning_checkpoint(weights: dict, client: dict) -> dict:
     """Merged weights (module names) + the client state Lightning saved beside them."""
-    checkpoint.from_original_layout(weights)
-    if any(checkpoint.is_adapter_name(k) for k in weights):
+    original.from_original_layout(weights)
+    if any(peft.is_adapter_name(k) for k in weights):
         # A LoRA run: peft's levels out, adapters under `lora.`, as `ldm.lora.save_layout` does
         # for files (the engines save the module's own names).
-        weights = checkpoint.to_original_layout(weights)
+        weights = peft.to_original_layout(weights)
     weights.update(client.get(CALLBACK_STATE_KEY) or {})
     kept = {
         k: v

@@ -42,7 +42,8 @@ def validate_checkpoint(
     callbacks, no checkpoint), print the table and write it to `out` as JSON when given."""
     from lightning.pytorch import Trainer
 
-    from ldm.checkpoint import has_ema, load_weights
+    from ldm.checkpoint import load_weights
+    from ldm.layout.ema import has_ema
     from lun.run import is_rank_zero
     from lun.trainer import trainer_kwargs
 

@@ -23,7 +23,7 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - dit (scripts/benchmark_dit.py): one DiT-S/2 and DiT-B/2 training step (batch 4, 32x32x4
   latents = 256 px images, 1000 classes, learned sigma; on a CPU DiT-B/2 at batch 2, 16x16x4,
   see DIT_ROWS) against diffusers' DiTTransformer2DModel holding the same weights
-  (ldm.checkpoint.dit_to_diffusers), both with the same fused AdamW, taking turns (A B B A);
+  (ldm.layout.dit.dit_to_diffusers), both with the same fused AdamW, taking turns (A B B A);
   fp32, and bf16 autocast where the CPU has bf16 instructions (or on CUDA). Forward GFLOP per
   image (FlopCounterMode: 2 per multiply-add, so twice the "Gflops" of the DiT paper's table 4)
   and the achieved share of the measured matmul peak. `--cpu-seconds`: timed in CPU seconds on
@@ -141,7 +141,7 @@ def build_unets(device, gradient_checkpointing=False, trained_like=False):
         create_unet_diffusers_config_from_ldm,
     )
 
-    from ldm import checkpoint
+    from ldm.layout import original
     from ldm.util import instantiate_from_config
 
     torch.manual_seed(0)
@@ -150,9 +150,7 @@ def build_unets(device, gradient_checkpointing=False, trained_like=False):
         with torch.no_grad():
             for param in ours.parameters():
                 param.add_(0.02 * torch.randn(param.shape))
-    state = {
-        checkpoint.backbone_key("diffusion_model." + k): v for k, v in ours.state_dict().items()
-    }
+    state = {original.unet_key(k): v for k, v in ours.state_dict().items()}
     config = create_unet_diffusers_config_from_ldm(original_config(UNET_PARAMS), state)
     theirs = UNet2DConditionModel(**config)
     theirs.load_state_dict(convert_ldm_unet_checkpoint(state, config))

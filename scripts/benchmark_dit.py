@@ -2,7 +2,7 @@
 
 One DiT-S/2 and DiT-B/2 training step (forward, MSE on all 8 output channels, backward, the
 same fused AdamW, grads set to None) of `ldm.dit` against diffusers' DiTTransformer2DModel
-holding the same weights (ldm.checkpoint.dit_to_diffusers). Both in train mode, SDPA attention,
+holding the same weights (ldm.layout.dit.dit_to_diffusers). Both in train mode, SDPA attention,
 GELU-tanh, no gradient checkpointing, no EMA; diffusers' own class-label dropout (drawn in every
 block while training) is off, as ours leaves it to the conditioner, so both compute the same
 function. The two sides take turns in A B B A order, so
@@ -31,7 +31,8 @@ def build_dits(preset: str, device, latent: int = LATENT):
     import torch
     from diffusers import DiTTransformer2DModel
 
-    from ldm import checkpoint, dit
+    from ldm import dit
+    from ldm.layout.dit import dit_to_diffusers
 
     torch.manual_seed(0)
     ours = getattr(dit, preset)(input_size=latent, num_classes=1000)
@@ -47,7 +48,7 @@ def build_dits(preset: str, device, latent: int = LATENT):
         num_embeds_ada_norm=1000,
         norm_eps=1e-6,
     )
-    theirs.load_state_dict(checkpoint.dit_to_diffusers(ours.state_dict()))
+    theirs.load_state_dict(dit_to_diffusers(ours.state_dict()))
     for block in theirs.transformer_blocks:  # same function: ours leaves label dropout to the
         block.norm1.emb.class_embedder.dropout_prob = 0.0  # conditioner (ClassLabels.ucg_rate)
     return ours.to(device).train(), theirs.to(device).train()

@@ -234,11 +234,9 @@ def as_diffusers(ours, s):
         create_unet_diffusers_config_from_ldm,
     )
 
-    from ldm import checkpoint
+    from ldm.layout import original
 
-    state = {
-        checkpoint.backbone_key("diffusion_model." + k): v for k, v in ours.state_dict().items()
-    }
+    state = {original.unet_key(k): v for k, v in ours.state_dict().items()}
     config = create_unet_diffusers_config_from_ldm(original_config(s["unet"]), state)
     theirs = UNet2DConditionModel(**config)
     theirs.load_state_dict(convert_ldm_unet_checkpoint(state, config))

@@ -45,7 +45,7 @@ def build_sdxl_unets(device):
         create_unet_diffusers_config_from_ldm,
     )
 
-    from ldm import checkpoint
+    from ldm.layout import original
     from ldm.util import instantiate_from_config
 
     config = sdxl_config()
@@ -54,9 +54,7 @@ def build_sdxl_unets(device):
     with torch.no_grad():
         for param in ours.parameters():
             param.add_(0.02 * torch.randn(param.shape))
-    state = {
-        checkpoint.backbone_key("diffusion_model." + k): v for k, v in ours.state_dict().items()
-    }
+    state = {original.unet_key(k): v for k, v in ours.state_dict().items()}
     diffusers_config = create_unet_diffusers_config_from_ldm(config, state)
     assert diffusers_config["addition_embed_type"] == "text_time"  # SDXL's, from context 2048
     theirs = UNet2DConditionModel(**diffusers_config)

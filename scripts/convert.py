@@ -36,18 +36,15 @@ if TYPE_CHECKING:
 
 def convert_state(state: dict, ema: bool, prune: bool) -> dict:
     """EMA shadows -> model weights (`ema`), EMA shadows dropped (`prune` or `ema`)."""
-    from ldm import checkpoint
+    from ldm.layout import ema as ema_layout
+    from ldm.layout.original import backbone_names
 
     if ema:
-        if not checkpoint.has_ema(state):
-            raise KeyError("--ema: the checkpoint has no EMA weights (model_ema.*)")
-        return checkpoint.apply_ema(state, checkpoint.backbone_names(state))
+        if not ema_layout.has_ema(state):
+            raise KeyError(f"--ema: the checkpoint has no EMA weights ({ema_layout.EMA_PREFIX}*)")
+        return ema_layout.apply_ema(state, backbone_names(state))
     if prune:
-        return {
-            k: v
-            for k, v in state.items()
-            if not k.startswith(checkpoint.EMA_PREFIX) or k in checkpoint.EMA_SCALARS
-        }
+        return ema_layout.without_shadows(state)
     return state
 
 
@@ -56,10 +53,10 @@ def convert_state(state: dict, ema: bool, prune: bool) -> dict:
 # EMA decay of 0.9999 rounds to 1.0 (a resumed EMA would never move).
 @functools.cache
 def full_precision() -> frozenset[str]:
-    from ldm import checkpoint
+    from ldm.layout.ema import EMA_SCALARS
     from ldm.schedule import SCHEDULE_BUFFER_NAMES
 
-    return frozenset(SCHEDULE_BUFFER_NAMES) | frozenset(checkpoint.EMA_SCALARS)
+    return frozenset(SCHEDULE_BUFFER_NAMES) | frozenset(EMA_SCALARS)
 
 
 def cast_weights(state: dict, dtype) -> dict:
@@ -142,7 +139,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     diffusers' own converters.
 
     `original`: the model's config as a dict (`{"model": {"target", "params"}}`)."""
-    from ldm import checkpoint, diffusers_layout
+    from ldm.layout.original import OPENCLIP_PREFIX, to_transformers_clip
     from ldm.util import instantiate_from_config
 
     try:
@@ -171,11 +168,12 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
         # penultimate block): its `last_hidden_state` is SD 2's context.
         tower = encoder.model
         blocks = len(tower.transformer.resblocks) - encoder.LAYERS[encoder.layer]
-        (prefix,) = diffusers_layout.TEXT_PREFIXES["sd2"]  # cond_stage_model.model.
-        text_encoder, clip_state = open_clip_as_transformers(tower, state, sfu, prefix, blocks)
+        text_encoder, clip_state = open_clip_as_transformers(
+            tower, state, sfu, OPENCLIP_PREFIX, blocks
+        )
         tokenizer = copy.deepcopy(encoder.tokenizer)
         tokenizer.pad_token = "!"  # id 0: open_clip pads with zeros (diffusers' SD 2 tokenizer)
-    text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
+    text_encoder.load_state_dict(to_transformers_clip(clip_state, text_encoder))
     scheduler = DDIMScheduler(
         **diffusers_schedule(params),
         num_train_timesteps=model.num_timesteps,
@@ -245,7 +243,7 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
     from diffusers.loaders import single_file_utils as sfu
     from transformers import CLIPTextModel
 
-    from ldm import checkpoint, diffusers_layout
+    from ldm.layout.original import SGM_OPENCLIP_PREFIX, to_transformers_clip
     from ldm.util import PARAM_TRANSLATIONS
 
     check_sdxl_exportable(model, original)
@@ -256,14 +254,13 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
     clip, open_clip = model.conditioner.embedders[:2]
     text_encoder = CLIPTextModel(clip.transformer.config)
     clip_state = sfu.convert_ldm_clip_checkpoint(state)
-    text_encoder.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder))
-    prefix = diffusers_layout.TEXT_PREFIXES["sdxl"][1]  # conditioner.embedders.1.model.
+    text_encoder.load_state_dict(to_transformers_clip(clip_state, text_encoder))
     tower = open_clip.model
     blocks = len(tower.transformer.resblocks)
     text_encoder_2, clip_state = open_clip_as_transformers(
-        tower, state, sfu, prefix, blocks, projection=True
+        tower, state, sfu, SGM_OPENCLIP_PREFIX, blocks, projection=True
     )
-    text_encoder_2.load_state_dict(checkpoint.to_transformers_clip(clip_state, text_encoder_2))
+    text_encoder_2.load_state_dict(to_transformers_clip(clip_state, text_encoder_2))
     tokenizer_2 = copy.deepcopy(open_clip.tokenizer)
     tokenizer_2.pad_token = "!"  # id 0: open_clip pads with zeros (diffusers' SDXL tokenizer_2)
 
@@ -371,7 +368,9 @@ def open_clip_as_transformers(tower, state: dict, sfu, prefix: str, blocks: int,
         eos_token_id=49407,  # pooled at the first <eot>: open_clip pads with 0 after it
         pad_token_id=0,
     )
-    unused = tuple(f"{prefix}transformer.resblocks.{i}." for i in range(blocks, 10_000))
+    from ldm.layout.original import OPENCLIP_BLOCKS
+
+    unused = tuple(f"{prefix}{OPENCLIP_BLOCKS}{i}." for i in range(blocks, 10_000))
     kept = {k: v for k, v in state.items() if k.startswith(prefix) and not k.startswith(unused)}
     text_encoder = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
     converted = sfu.convert_open_clip_checkpoint(text_encoder, kept, prefix=prefix)
@@ -385,7 +384,8 @@ def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     (on the meta device: only its names, shapes and settings are needed)."""
     import torch
 
-    from ldm import checkpoint, diffusers_layout
+    from ldm import checkpoint
+    from ldm.layout import diffusers
     from ldm.util import instantiate_from_config
     from lun.config import merge_configs, to_container
 
@@ -393,8 +393,8 @@ def diffusers_folder_state(folder: Path, config: Path, unsafe: bool) -> dict:
     params["params"].pop("ckpt_path", None)
     with torch.device("meta"):
         model = instantiate_from_config(params)
-    state, info = diffusers_layout.original_state(folder, unsafe)
-    diffusers_layout.check_model(model, folder, info, state)
+    state, info = diffusers.original_state(folder, unsafe)
+    diffusers.check_model(model, folder, info, state)
     missing = sorted(set(model.state_dict()) - set(state))
     if missing:
         raise KeyError(checkpoint.mismatch_message(folder, missing, []))
@@ -415,7 +415,7 @@ def check_convertible(args, keys: list[str]) -> None:
         checkpoint.check_family(args.ckpt, found, "model", "ckpt", expected)
     if args.config or args.to_diffusers:
         configs = [args.config] if args.config else find_config(Path(args.ckpt))
-        expected = checkpoint.config_family(to_container(merge_configs(configs))["model"])
+        expected = family.model_family(to_container(merge_configs(configs))["model"])
         checkpoint.check_family(args.ckpt, found, expected, "ckpt")
 
 
@@ -448,8 +448,10 @@ def main(argv=None) -> None:
         parser.error("give an output file, --to-diffusers DIR, or both")
     import torch
 
-    from ldm import checkpoint
-    from ldm.diffusers_layout import is_diffusers_folder
+    from ldm.layout.diffusers import is_diffusers_folder
+    from ldm.layout.dit import file_state_keys
+    from ldm.layout.ema import without_ema
+    from ldm.safe_load import state_dict_of
     from lun.config import merge_configs, to_container
     from lun.generation import find_config, one_line_errors, writing
     from lun.strategies import load_training_checkpoint
@@ -463,8 +465,8 @@ def main(argv=None) -> None:
         else:
             # Memory-mapped: a tensor is read when it is written out (optimizer state never).
             contents = load_training_checkpoint(args.ckpt, unsafe=args.unsafe_load, mmap=True)
-        check_convertible(args, checkpoint.file_state_keys(contents))
-        state = convert_state(checkpoint.state_dict_of(contents), args.ema, args.prune)
+        check_convertible(args, file_state_keys(contents))
+        state = convert_state(state_dict_of(contents), args.ema, args.prune)
         dtype = torch.float16 if args.half else torch.bfloat16 if args.bf16 else None
         if args.to_diffusers:  # checked before anything is written
             configs = [args.config] if args.config else find_config(Path(args.ckpt))
@@ -475,7 +477,7 @@ def main(argv=None) -> None:
             print(f"wrote {args.out} ({len(state)} tensors)")
         if args.to_diffusers:
             with writing(args.to_diffusers):
-                export_diffusers(checkpoint.without_ema(state), original, Path(args.to_diffusers))
+                export_diffusers(without_ema(state), original, Path(args.to_diffusers))
             print(f"wrote diffusers pipeline to {args.to_diffusers}")
 
 

@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def check_inputs(args) -> list:
     """Every file named, before anything slow; returns the prompts or class ids."""
-    from ldm import checkpoint
+    from ldm.layout import family
     from lun.callbacks.evaluation import read_prompt_file
     from lun.config import merge_configs, to_container
     from lun.eval.clip_score import check_clip_folder
@@ -90,7 +90,7 @@ def check_inputs(args) -> list:
             raise FileNotFoundError(f"checkpoint not found: {ckpt}")
     expected = None
     if args.base:  # the family of the model the config builds (on the meta device)
-        expected = checkpoint.config_family(to_container(merge_configs(args.base))["model"])
+        expected = family.model_family(to_container(merge_configs(args.base))["model"])
     for ckpt in args.ckpts:  # each file's family, from its keys
         check_model_file(ckpt, expected, "ckpt", args.unsafe_load)
     if args.num_images < 2:

@@ -42,7 +42,8 @@ def load_model(args):
 def export(args) -> None:
     import torch
 
-    from ldm import checkpoint, lora, lora_kohya
+    from ldm import checkpoint, lora
+    from ldm.layout import kohya
     from lun.generation import writing
 
     model = load_model(args)
@@ -56,7 +57,7 @@ def export(args) -> None:
         )
         version += "_v" if model.parameterization == "v" else ""
         version = "sdxl_base_v1-0" if lora.is_sdxl(model) else version  # kohya's SDXL version
-        metadata = lora_kohya.kohya_metadata(model.lora_settings, version)
+        metadata = kohya.kohya_metadata(model.lora_settings, version)
     else:
         state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}
         metadata = {"format": "pt"}

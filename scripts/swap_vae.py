@@ -29,29 +29,22 @@ from lun.cli import HelpFormatter
 if TYPE_CHECKING:
     import torch
 
-VAE_PARTS = ("encoder.", "decoder.", "quant_conv.", "post_quant_conv.")
-
 
 def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str, torch.Tensor]:
     """The VAE's weights under their bare original names, from any of the accepted files."""
-    from ldm.checkpoint import (
-        EMA_PREFIX,
-        FIRST_STAGE_PREFIX,
-        check_family,
-        ema_key,
-        load_file_state,
-        state_dict_of,
-    )
-    from ldm.layout import family
+    from ldm.checkpoint import check_family
+    from ldm.layout import family, original
+    from ldm.layout.ema import EMA_PREFIX, ema_key
+    from ldm.safe_load import load_file_state, state_dict_of
 
     state = state_dict_of(load_file_state(path, unsafe=unsafe))
     found = family.model_family(state)
-    if found != family.VAE and not any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
-        expected = "a VAE, or a model checkpoint holding one (first_stage_model.*)"
+    if found != family.VAE and not original.has_first_stage(state):
+        expected = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"
         check_family(path, found, family.VAE, "--vae", expected)
-    if any(k.startswith(FIRST_STAGE_PREFIX) for k in state):
-        state = {k.removeprefix(FIRST_STAGE_PREFIX): v for k, v in state.items()}
-    vae = {k: v for k, v in state.items() if k.startswith(VAE_PARTS)}
+    if original.has_first_stage(state):  # its EMA shadows too (`model_ema.*` lose no prefix)
+        state = {k.removeprefix(original.FIRST_STAGE_PREFIX): v for k, v in state.items()}
+    vae = {k: v for k, v in state.items() if k.startswith(original.VAE_PARTS)}
     if not vae:
         raise ValueError(f"{path}: holds no VAE weights (encoder.*, decoder.*, ...)")
     if ema:
@@ -64,22 +57,20 @@ def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str,
 
 def swap(diffusion: dict, vae: dict, what: str) -> dict:
     """`diffusion` with its `first_stage_model.*` replaced by `vae` (names and shapes must match)."""
-    from ldm.checkpoint import FIRST_STAGE_PREFIX
+    from ldm.layout.original import first_stage_key, first_stage_state, has_first_stage
 
-    own = {
-        k.removeprefix(FIRST_STAGE_PREFIX) for k in diffusion if k.startswith(FIRST_STAGE_PREFIX)
-    }
+    own = set(first_stage_state(diffusion)) if has_first_stage(diffusion) else set()
     if own != set(vae):
         missing, extra = sorted(own - set(vae)), sorted(set(vae) - own)
         raise ValueError(f"{what}: VAE names differ: missing {missing[:3]}, unexpected {extra[:3]}")
     out = dict(diffusion)
     for name, tensor in vae.items():
-        old = diffusion[FIRST_STAGE_PREFIX + name]
+        old = diffusion[first_stage_key(name)]
         if old.shape != tensor.shape:
             raise ValueError(
                 f"{what}: {name} is {tuple(tensor.shape)}, expected {tuple(old.shape)}"
             )
-        out[FIRST_STAGE_PREFIX + name] = tensor.to(old.dtype)
+        out[first_stage_key(name)] = tensor.to(old.dtype)
     return out
 
 
@@ -108,8 +99,9 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    from ldm.checkpoint import check_family, load_file_state, save_safetensors, state_dict_of
+    from ldm.checkpoint import check_family, save_safetensors
     from ldm.layout import family
+    from ldm.safe_load import load_file_state, state_dict_of
 
     try:
         vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)

@@ -2,7 +2,8 @@
 
 import torch
 
-from ldm import checkpoint, lora
+from ldm import lora
+from ldm.layout.peft import is_adapter_name
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -19,7 +20,7 @@ def build(config, lora_settings: str | None, seed: int = 0, overrides: tuple[str
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if not checkpoint.is_adapter_name(name) and param.device.type != "meta":
+            if not is_adapter_name(name) and param.device.type != "meta":
                 param.add_(0.05 * torch.randn(param.shape, generator=generator))
     if lora_settings and next(model.parameters()).device.type != "meta":
         lora.after_loading(model, {})  # DoRA magnitudes: the norms of the moved base

@@ -10,7 +10,8 @@ import torch
 from lora_helpers import LOCON_DORA, build, randomize_adapters
 from safetensors.torch import load_file, save_file
 
-from ldm import checkpoint, lora
+from ldm import lora
+from ldm.layout.peft import LORA_PREFIX
 from lun.config import merge_configs, to_container
 
 diffusers = pytest.importorskip("diffusers")
@@ -27,9 +28,7 @@ def pipeline_of_base(model, tiny_config, folder):
     """A diffusers pipeline of `model`'s base weights, made by our --to-diffusers export."""
     saved = {"state_dict": model.state_dict()}
     lora.save_layout(model, saved)
-    base = {
-        k: v for k, v in saved["state_dict"].items() if not k.startswith(checkpoint.LORA_PREFIX)
-    }
+    base = {k: v for k, v in saved["state_dict"].items() if not k.startswith(LORA_PREFIX)}
     convert.export_diffusers(base, to_container(merge_configs([tiny_config])), folder)
     return diffusers.StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
 

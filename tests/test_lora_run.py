@@ -8,6 +8,7 @@ from run_helpers import run_main, run_main_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint
+from ldm.layout.ema import EMA_SCALARS
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -40,7 +41,7 @@ def test_lora_run_export_and_merge(tmp_path, tiny_config, shapes_dir):
     adapters = [k for k in state if k.startswith("lora.")]
     assert adapters and not any("base_layer" in k or ".default." in k for k in state)
     # EMA of the adapters only, named without peft's levels.
-    shadows = [k for k in state if k.startswith("model_ema.") and k not in checkpoint.EMA_SCALARS]
+    shadows = [k for k in state if k.startswith("model_ema.") and k not in EMA_SCALARS]
     assert len(shadows) == len([k for k in adapters if k.startswith("lora.model.")])
 
     out = tmp_path / "kohya.safetensors"

@@ -11,6 +11,7 @@ from run_helpers import ROOT, run_main
 from safetensors.torch import load_file
 
 from ldm import checkpoint
+from ldm.layout.ema import EMA_SCALARS
 from lun.strategies import load_training_checkpoint
 
 TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
@@ -45,7 +46,7 @@ def test_lora_trains_saves_and_exports_under_two_processes(tmp_path, shapes_dir,
     ups = {k: v for k, v in adapters.items() if k.endswith("lora_B.weight")}
     assert any(k.startswith("lora.cond_stage_model.") for k in ups)
     assert all(v.abs().max() > 0 for v in ups.values()), "an adapter did not train"
-    shadows = [k for k in state if k.startswith("model_ema.") and k not in checkpoint.EMA_SCALARS]
+    shadows = [k for k in state if k.startswith("model_ema.") and k not in EMA_SCALARS]
     assert len(shadows) == len([k for k in adapters if k.startswith("lora.model.")])
 
     out = tmp_path / "kohya.safetensors"

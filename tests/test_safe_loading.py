@@ -21,7 +21,13 @@ import txt2img
 from PIL import Image
 from run_helpers import load_main
 
-from ldm import checkpoint
+from ldm.safe_load import (
+    UnsafeCheckpointError,
+    allowed_global_names,
+    global_names,
+    read_sharded_metadata,
+    sharded_metadata_global_names,
+)
 from lun import strategies
 from lun.atomic_io import AtomicCheckpointIO
 
@@ -106,7 +112,7 @@ def fsdp_folder(root: Path, payload, where: str = "metadata") -> Path:
         {"global_step": 2, **({"hook": payload} if where == "meta.pt" else {})}, root / "meta.pt"
     )
     if where == "metadata":
-        metadata = checkpoint.read_sharded_metadata(root / ".metadata")
+        metadata = read_sharded_metadata(root / ".metadata")
         metadata.planner_data = payload
         with open(root / ".metadata", "wb") as file:
             pickle.dump(metadata, file)
@@ -216,10 +222,10 @@ DEEPSPEED_RECORDS = [
 def test_the_allow_lists_are_exactly_these():
     """A snapshot: widening what a checkpoint may ask for must change this test too. Beyond
     these, only torch's own weights-only set (tensors, containers, primitive values) loads."""
-    assert checkpoint.allowed_global_names() == ALLOWED
-    assert checkpoint.sharded_metadata_global_names() == SHARDED_METADATA
+    assert allowed_global_names() == ALLOWED
+    assert sharded_metadata_global_names() == SHARDED_METADATA
     if importlib.util.find_spec("deepspeed") is not None:
-        assert checkpoint.global_names(strategies._deepspeed_records()) == DEEPSPEED_RECORDS
+        assert global_names(strategies._deepspeed_records()) == DEEPSPEED_RECORDS
 
 
 def test_clean_folders_pass_the_checks(tmp_path):
@@ -384,7 +390,7 @@ def test_strategies_load_checkpoint_checks_folders(tmp_path, payload, kind, wher
     if kind == "deepspeed":
         pytest.importorskip("deepspeed")
     strategy = strategies.DeepSpeedStrategy() if kind == "deepspeed" else strategies.FSDPStrategy()
-    with pytest.raises(checkpoint.UnsafeCheckpointError) as refused:
+    with pytest.raises(UnsafeCheckpointError) as refused:
         strategy.load_checkpoint(folder)
     assert_refused(str(refused.value), next(folder.rglob(file)), payload)
 
@@ -392,7 +398,7 @@ def test_strategies_load_checkpoint_checks_folders(tmp_path, payload, kind, wher
 def test_fsdp_strategy_and_checkpoint_io_check_files(tmp_path, payload):
     evil = evil_file(tmp_path / "last.ckpt", payload)
     for load in (strategies.FSDPStrategy().load_checkpoint, AtomicCheckpointIO().load_checkpoint):
-        with pytest.raises(checkpoint.UnsafeCheckpointError) as refused:
+        with pytest.raises(UnsafeCheckpointError) as refused:
             load(evil)
         assert_refused(str(refused.value), evil, payload)
 

@@ -10,6 +10,7 @@ import txt2img
 from PIL import Image
 
 from ldm import checkpoint
+from ldm.layout.ema import EMA_SCALARS
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -110,7 +111,7 @@ def test_convert_to_safetensors_loads_back_strictly(tmp_path, trained_run):
     contents = checkpoint.load_file_state(pruned)
     assert "optimizer_states" not in contents
     assert set(contents["state_dict"]) == set(source) - {
-        k for k in source if k.startswith("model_ema.") and k not in checkpoint.EMA_SCALARS
+        k for k in source if k.startswith("model_ema.") and k not in EMA_SCALARS
     }
 
 

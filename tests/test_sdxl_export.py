@@ -1,6 +1,6 @@
 """SDXL exported as a diffusers `StableDiffusionXLPipeline` folder (`convert.py --to-diffusers`):
 diffusers' own pipeline, loaded from the folder, draws our txt2img image, and the folder read
-back by ldm.diffusers_layout gives the original tensors bit for bit."""
+back by ldm.layout.diffusers gives the original tensors bit for bit."""
 
 import json
 import math
@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 from sdxl_helpers import tiny_sdxl, tiny_sdxl_config, trained_scale_weights
 
-from ldm import checkpoint, diffusers_layout
+from ldm import checkpoint
+from ldm.layout import diffusers as diffusers_layout
 from ldm.util import instantiate_from_config
 
 diffusers = pytest.importorskip("diffusers")
@@ -41,7 +42,7 @@ def exported(tmp_path_factory):
 
 
 def test_round_trip_through_the_export_is_bit_exact(exported):
-    """original -> our export (diffusers' converters) -> ldm.diffusers_layout -> original: every
+    """original -> our export (diffusers' converters) -> ldm.layout.diffusers -> original: every
     key but OpenCLIP's `logit_scale` (diffusers stores none; CLIP's contrastive loss is its only
     user) comes back with the same bits; the model loads the folder strictly."""
     config, _, state, folder = exported

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from sdxl_helpers import TEXT_WIDTH, tiny_sdxl, tiny_sdxl_config, trained_scale_weights
 
 from ldm import checkpoint, lora
+from ldm.layout.original import SGM_CLIP_PREFIX, SGM_OPENCLIP_PREFIX
 from ldm.util import instantiate_from_config
 
 diffusers = pytest.importorskip("diffusers")
@@ -149,8 +150,8 @@ def test_diffusers_sdxl_pipeline_loads_our_files_and_draws_our_txt2img_images(tm
     pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
     adapters = files["adapters"]
     unet = sum(n.startswith("model.") for n in adapters)
-    te1 = sum(n.startswith(checkpoint.SGM_CLIP_PREFIX) for n in adapters)
-    te2 = sum(n.startswith(checkpoint.SGM_OPENCLIP_PREFIX) for n in adapters) + 2 * 2
+    te1 = sum(n.startswith(SGM_CLIP_PREFIX) for n in adapters)
+    te2 = sum(n.startswith(SGM_OPENCLIP_PREFIX) for n in adapters) + 2 * 2
     assert unet and te1 and te2
     for kind in ("kohya", "diffusers"):
         load_into(pipe, files[kind])

@@ -1,7 +1,7 @@
 """Which model family or kind a weights file holds, from its key names alone.
 
-Every loader and script asks `model_family` (of a file's keys, and of the built model's keys)
-before loading, so a file of another family or kind is one sentence naming both, not a
+Every loader and script asks `model_family` (of a file's keys or state dict, of a built model,
+or of the model config that builds it) before loading, so a file of another family or kind is one sentence naming both, not a
 size-mismatch dump. The families, by the keys that only they have (`shared/reference/`):
 
 - SD 3 / 3.5: `joint_blocks.*` (MMDiT, bare or under the backbone prefix) or `text_encoders.*`
@@ -19,27 +19,27 @@ size-mismatch dump. The families, by the keys that only they have (`shared/refer
 - A diffusers folder (`model_index.json`): the family of its pipeline class.
 
 Nothing here loads a tensor: `.safetensors` headers are read with `safe_open`, pickles are
-loaded memory-mapped with the safe loader (`ldm.checkpoint`).
+loaded memory-mapped with the safe loader (`ldm.safe_load`).
 """
 
+import copy
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
 from pathlib import Path
 
-from ldm.layout import sd3
+from ldm.layout import original, sd3
+from ldm.layout.dit import DIT_KEYS, file_state_keys
 
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
 SD3 = "SD 3"  # SD 3 / 3.5 (MMDiT): ldm.layout.sd3's keys
 
-BACKBONE = "model.diffusion_model."
-_DIT_KEYS = ("x_embedder.", "t_embedder.")
 _TEXT_ENCODERS = (
-    ("conditioner.embedders.", SDXL),
-    ("cond_stage_model.model.", SD2),
-    ("cond_stage_model.transformer.", SD1),
+    (original.SGM_EMBEDDERS, SDXL),
+    (original.OPENCLIP_PREFIX, SD2),
+    (original.CLIP_PREFIX, SD1),
 )
-_VAE_KEYS = ("encoder.", "decoder.", "first_stage_model.")
+_VAE_KEYS = ("encoder.", "decoder.", original.FIRST_STAGE_PREFIX)
 # A diffusers folder's text_encoder/config.json tells SD 1.x from SD 2.x by the activation:
 # OpenAI's CLIP (quick_gelu, transformers' CLIPTextConfig default) or OpenCLIP ViT-H (gelu).
 CLIP_ACTIVATIONS = {"quick_gelu": (SD1, "OpenAI CLIP"), "gelu": (SD2, "OpenCLIP")}
@@ -56,23 +56,45 @@ USE = {
 }
 
 
-def model_family(keys: Iterable[str]) -> str | None:
-    """The family (SD1, SD2, SDXL, DIT, VAE, LORA) that state-dict `keys` belong to, or None
-    when they match none (a bare UNet, another architecture): callers then load strictly."""
-    keys = list(keys)
+def model_family(source) -> str | None:
+    """The family (SD1, SD2, SDXL, DIT, VAE, LORA) of `source`, or None when it matches none (a
+    bare UNet, another architecture): callers then load strictly. `source`: state-dict keys (or
+    a state dict), a built model (its own checkpoint keys), or a model config
+    (`{"target", "params"}`: the model it builds, built on the meta device - names and shapes,
+    no memory, no weights loaded)."""
+    if isinstance(source, Mapping) and "target" in source:
+        return _config_family(source)
+    if hasattr(source, "state_dict"):
+        source = source.state_dict()
+    keys = list(source)
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA
     if sd3.is_sd3(keys):  # before DiT: an MMDiT has x_embedder / t_embedder too
         return SD3
-    if any(k.removeprefix(BACKBONE).startswith(_DIT_KEYS) for k in keys):
+    if any(k.removeprefix(original.UNET_PREFIX).startswith(DIT_KEYS) for k in keys):
         return DIT
     for prefix, family in _TEXT_ENCODERS:
         if any(k.startswith(prefix) for k in keys):
             return family
-    has_backbone = any(k.startswith(BACKBONE) for k in keys)
+    has_backbone = any(k.startswith(original.UNET_PREFIX) for k in keys)
     if not has_backbone and any(k.startswith(_VAE_KEYS) for k in keys):
         return VAE
     return None
+
+
+def _config_family(model_config: Mapping) -> str | None:
+    import torch
+
+    from ldm.util import instantiate_from_config
+
+    model_config = copy.deepcopy(dict(model_config))
+    model_config["params"] = {**(model_config.get("params") or {}), "ckpt_path": None}
+    try:
+        with torch.device("meta"):
+            model = instantiate_from_config(model_config)
+    except Exception:  # noqa: BLE001 - a part that reads files or data as it is built
+        return None  # unknown: the strict load that follows names any mismatch
+    return model_family(model)
 
 
 def diffusers_family(folder: str | Path) -> str | None:
@@ -95,7 +117,7 @@ def diffusers_family(folder: str | Path) -> str | None:
             text = json.loads((folder / "text_encoder" / "config.json").read_text())
         except (OSError, ValueError):
             return None
-        # an unknown activation is left to the folder reader (ldm.diffusers_layout), which
+        # an unknown activation is left to the folder reader (ldm.layout.diffusers), which
         # names the file and the value
         act = text.get("hidden_act", DEFAULT_CLIP_ACTIVATION)
         return CLIP_ACTIVATIONS.get(act, (None,))[0]
@@ -104,7 +126,7 @@ def diffusers_family(folder: str | Path) -> str | None:
 
 def file_keys(path: str | Path, unsafe: bool = False) -> list[str]:
     """The tensor names in a weights file, without reading its tensors (a DiT `train.py`
-    checkpoint: its `ema` entry's). Missing, refused or damaged files raise as `ldm.checkpoint`
+    checkpoint: its `ema` entry's). Missing, refused or damaged files raise as `ldm.safe_load`
     does: FileNotFoundError, UnsafeCheckpointError, ValueError - each naming the file."""
     path = Path(path)
     if not path.is_file():
@@ -117,12 +139,9 @@ def file_keys(path: str | Path, unsafe: bool = False) -> list[str]:
                 return list(f.keys())
         except SafetensorError as err:
             raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
-    from ldm import checkpoint  # it imports this package
+    from ldm.safe_load import load_file_state
 
-    contents = checkpoint.load_file_state(path, unsafe=unsafe, mmap=True)
-    if isinstance(contents.get("ema"), dict) and isinstance(contents.get("model"), dict):
-        contents = contents["ema"]
-    return list(checkpoint.state_dict_of(contents))
+    return file_state_keys(load_file_state(path, unsafe=unsafe, mmap=True))
 
 
 def file_family(path: str | Path, unsafe: bool = False) -> str | None:

@@ -31,7 +31,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from ldm.checkpoint import EMA_PREFIX, EMA_SCALARS, ema_key, without_wrapper_levels
+from ldm.layout.ema import EMA_PREFIX, EMA_SCALARS, ema_key
+from ldm.layout.wrappers import without_wrapper_levels
 from lun.atomic_io import materialized
 from lun.strategies import gathered_parameters, shards_weights
 

@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from ldm import checkpoint
+from ldm.layout.ema import ema_key
+from ldm.layout.original import CLIP_PREFIX
+from ldm.safe_load import UnsafeCheckpointError
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -26,13 +29,11 @@ class Exploit:
 def test_pickle_with_code_is_refused_unless_unsafe(tmp_path):
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {"w": torch.ones(1)}, "payload": Exploit()}, path)
-    with pytest.raises(
-        checkpoint.UnsafeCheckpointError, match=r"posix\.system|os\.system|--unsafe-load"
-    ):
+    with pytest.raises(UnsafeCheckpointError, match=r"posix\.system|os\.system|--unsafe-load"):
         checkpoint.load_file_state(path)
     safe_class = tmp_path / "class.ckpt"
     torch.save({"state_dict": {"w": torch.ones(1)}, "obj": pickle.PickleError("x")}, safe_class)
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match="PickleError"):
+    with pytest.raises(UnsafeCheckpointError, match="PickleError"):
         checkpoint.load_file_state(safe_class)
     assert "obj" in checkpoint.load_file_state(safe_class, unsafe=True)
 
@@ -68,12 +69,12 @@ def test_safetensors_round_trip_is_exact(tmp_path, model):
 
 def test_state_dict_is_the_original_layout_and_both_clip_forms_load(model):
     state = model.state_dict()
-    clip = [k for k in state if k.startswith(checkpoint.CLIP_PREFIX)]
-    assert clip and all(k.startswith(checkpoint.CLIP_PREFIX + "text_model.") for k in clip)
+    clip = [k for k in state if k.startswith(CLIP_PREFIX)]
+    assert clip and all(k.startswith(CLIP_PREFIX + "text_model.") for k in clip)
     # An old checkpoint: with position_ids.
     old = {
         **state,
-        checkpoint.CLIP_PREFIX + "text_model.embeddings.position_ids": torch.arange(77)[None],
+        CLIP_PREFIX + "text_model.embeddings.position_ids": torch.arange(77)[None],
     }
     model.load_state_dict(old, strict=True)
     # A checkpoint written by a library without the `text_model.` level.
@@ -84,11 +85,9 @@ def test_state_dict_is_the_original_layout_and_both_clip_forms_load(model):
 def test_ema_weights_load_onto_the_unet(tmp_path, model):
     state = model.state_dict()
     names = [n for n, _ in model.model.named_parameters()]
-    ema = {
-        checkpoint.ema_key(n): torch.full_like(p, 0.5) for n, p in model.model.named_parameters()
-    }
+    ema = {ema_key(n): torch.full_like(p, 0.5) for n, p in model.model.named_parameters()}
     assert (
-        checkpoint.ema_key("diffusion_model.input_blocks.0.0.weight")
+        ema_key("diffusion_model.input_blocks.0.0.weight")
         == "model_ema.diffusion_modelinput_blocks00weight"
     )
     path = tmp_path / "full-ema.safetensors"

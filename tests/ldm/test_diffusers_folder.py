@@ -1,4 +1,4 @@
-"""Diffusers folders read in the original layout (ldm.diffusers_layout).
+"""Diffusers folders read in the original layout (ldm.layout.diffusers).
 
 The rules are checked against diffusers' own code, never ours on both sides: SD 1.x / 2.x folders
 are written by our `--to-diffusers` export, which runs diffusers' single-file converters; SDXL
@@ -13,8 +13,10 @@ import convert
 import pytest
 import torch
 
-from ldm import checkpoint, diffusers_layout
-from ldm.diffusers_layout import DiffusersFolderError
+from ldm import checkpoint
+from ldm.layout import diffusers as diffusers_layout
+from ldm.layout.diffusers import DiffusersFolderError
+from ldm.safe_load import UnsafeCheckpointError
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -136,7 +138,7 @@ def test_folder_errors_name_the_file(exported, tmp_path):
     state = checkpoint.load_file_state(weights)
     weights.unlink()
     torch.save({**state, "hook": Exploit()}, copy / "text_encoder" / "model.bin")
-    with pytest.raises(checkpoint.UnsafeCheckpointError, match=r"text_encoder/model.bin: refused"):
+    with pytest.raises(UnsafeCheckpointError, match=r"text_encoder/model.bin: refused"):
         checkpoint.load_weights(model, copy)
     torch.save(state, copy / "text_encoder" / "model.bin")  # plain tensors: loads weights-only
     checkpoint.load_weights(model, copy)

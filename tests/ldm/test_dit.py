@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ldm.checkpoint import dit_to_diffusers
 from ldm.dit import DiT, DiT_models, DiT_S_2, DiT_XL_2, modulate, sincos_pos_embed_2d
 from ldm.dit_text import TextDiT
+from ldm.layout.dit import dit_to_diffusers
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "tests" / "reference"  # key -> shape lists of the released DiT files

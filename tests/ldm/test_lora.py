@@ -10,6 +10,8 @@ import torch
 from lora_helpers import LOCON_DORA, build, randomize_adapters, unet_output
 
 from ldm import checkpoint, lora
+from ldm.layout.ema import ema_key
+from ldm.layout.peft import LORA_PREFIX, is_adapter_name
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -84,7 +86,7 @@ def test_only_adapters_train_in_fp32_and_the_base_is_the_original_layout(tiny_co
     plain = build(tiny_config, None)
     model = build(tiny_config, LOCON_DORA)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all(checkpoint.is_adapter_name(n) for n in trainable)
+    assert trainable and all(is_adapter_name(n) for n in trainable)
     assert any(n.startswith("cond_stage_model.") for n in trainable)  # text encoder adapters
     assert not any(n.startswith("first_stage_model.") for n in trainable)
     # Every adapted group is there: attention, proj, ff, ResBlock / resampler convs, CLIP.
@@ -103,9 +105,9 @@ def test_only_adapters_train_in_fp32_and_the_base_is_the_original_layout(tiny_co
     assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if p.requires_grad)
     saved = {"state_dict": model.state_dict()}
     lora.save_layout(model, saved)
-    base = {k for k in saved["state_dict"] if not k.startswith(checkpoint.LORA_PREFIX)}
+    base = {k for k in saved["state_dict"] if not k.startswith(LORA_PREFIX)}
     assert base == set(plain.state_dict())  # the original layout, nothing of peft in it
-    adapters = {k for k in saved["state_dict"] if k.startswith(checkpoint.LORA_PREFIX)}
+    adapters = {k for k in saved["state_dict"] if k.startswith(LORA_PREFIX)}
     assert len(adapters) == 3 * len(layers)  # A, B and the DoRA magnitude per layer
 
 
@@ -116,9 +118,9 @@ def test_checkpoint_layout_round_trip_and_ema_names(tiny_config, tmp_path):
     adapter = (
         "diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_B.default.weight"
     )
-    saved = {"state_dict": {**state, checkpoint.ema_key(adapter): torch.ones(1)}}
+    saved = {"state_dict": {**state, ema_key(adapter): torch.ones(1)}}
     lora.save_layout(model, saved)
-    assert checkpoint.ema_key(adapter.replace(".default", "")) in saved["state_dict"]
+    assert ema_key(adapter.replace(".default", "")) in saved["state_dict"]
     # A fresh model (other random adapters) loads the original-layout file strictly.
     path = tmp_path / "lora.safetensors"
     checkpoint.save_safetensors(
@@ -130,7 +132,7 @@ def test_checkpoint_layout_round_trip_and_ema_names(tiny_config, tmp_path):
         torch.testing.assert_close(value, state[key], rtol=0, atol=0, msg=key)
     # And Lightning's way back (resume) restores the module's names and the EMA's.
     lora.load_layout(fresh, saved)
-    assert set(saved["state_dict"]) == set(state) | {checkpoint.ema_key(adapter)}
+    assert set(saved["state_dict"]) == set(state) | {ema_key(adapter)}
 
 
 def test_a_base_checkpoint_loads_under_fresh_adapters(tiny_config, tmp_path):

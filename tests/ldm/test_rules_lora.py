@@ -19,7 +19,8 @@ import torch.nn.functional as F
 import yaml
 from lora_helpers import build, randomize_adapters
 
-from ldm import lora, lora_kohya
+from ldm import lora
+from ldm.layout import kohya as lora_kohya
 
 TO_Q = "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q"
 CONV3 = "model.diffusion_model.input_blocks.1.0.in_layers.2"  # a ResBlock's 3x3 conv

@@ -16,7 +16,8 @@ from strategy_checks import one_step, tiny_model
 from torch.testing import assert_close
 
 import lun.strategies
-from ldm.checkpoint import ema_key, load_weights
+from ldm.checkpoint import load_weights
+from ldm.layout.ema import ema_key
 from ldm.util import instantiate_from_config
 from lun.config import ConfigError, merge_configs, to_container
 from lun.run import RunDir

@@ -24,7 +24,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 import ldm.diffusion
-from ldm.checkpoint import ema_key
+from ldm.layout.ema import ema_key
 from lun.callbacks.ema import EMA
 
 STEPS = 3

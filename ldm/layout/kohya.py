@@ -20,15 +20,15 @@ transformers paths. diffusers reads those names back (lora_conversion_utils.py:
 import json
 import re
 
-from ldm.checkpoint import (
-    BACKBONE_PREFIX,
+from ldm.layout.original import (
+    CLIP_LEVEL,
     CLIP_PREFIX,
     OPENCLIP_PREFIX,
     SGM_CLIP_PREFIX,
     SGM_OPENCLIP_PREFIX,
+    UNET_PREFIX,
 )
 
-UNET_PREFIX = BACKBONE_PREFIX + "diffusion_model."  # our UNet's modules in LatentDiffusion
 KOHYA_UNET = "lora_unet_"
 # kohya's prefix of each diffusers pipeline component: SD 1.x / 2.x, and SDXL (sdxl=True).
 KOHYA_PREFIXES = {
@@ -130,7 +130,7 @@ def module_path(key: str, res_blocks: int) -> tuple[str, str]:
     if key.startswith(UNET_PREFIX):
         return "unet", diffusers_unet_path(key.removeprefix(UNET_PREFIX), res_blocks)
     for prefix in (CLIP_PREFIX, SGM_CLIP_PREFIX):
-        if key.startswith(prefix + "text_model."):
+        if key.startswith(prefix + CLIP_LEVEL):
             return "text_encoder", key.removeprefix(prefix)
     if key.startswith(OPENCLIP_PREFIX + "transformer."):
         return "text_encoder", openclip_hf_path(key.removeprefix(OPENCLIP_PREFIX))
@@ -196,8 +196,8 @@ def from_diffusers(state, metadata: dict | None = None, sdxl: bool = False) -> t
             raise ValueError(
                 f"{key}: a LoRA layer of '{component}', not of {family} UNet or text encoder"
             )
-        if component.startswith("text_encoder") and not path.startswith("text_model."):
-            path = "text_model." + path  # transformers >= 5 dropped CLIPTextModel's level
+        if component.startswith("text_encoder") and not path.startswith(CLIP_LEVEL):
+            path = CLIP_LEVEL + path  # transformers >= 5 dropped CLIPTextModel's level
         name = prefixes[component] + path.replace(".", "_")
         if part == "lora_A":
             kohya[f"{name}.lora_down.weight"] = value

@@ -27,19 +27,18 @@ from pathlib import Path
 
 import torch
 
-from ldm import checkpoint
 from ldm.layout import diffusers_vae
 from ldm.layout import family as family_rules
+from ldm.layout.original import (
+    CLIP_LEVEL,
+    FIRST_STAGE_PREFIX,
+    OPENCLIP_BLOCKS,
+    TEXT_PREFIXES,
+    UNET_PREFIX,
+)
+from ldm.safe_load import load_file_state, state_dict_of
 from ldm.schedule import schedule_betas, schedule_buffers
 
-UNET_PREFIX = checkpoint.BACKBONE_PREFIX + "diffusion_model."
-VAE_PREFIX = checkpoint.FIRST_STAGE_PREFIX
-# Where each family keeps its text towers in the original layout.
-TEXT_PREFIXES = {
-    "sd1": (checkpoint.CLIP_PREFIX,),
-    "sd2": ("cond_stage_model.model.",),
-    "sdxl": ("conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."),
-}
 FAMILY_NAMES = {"sd1": "SD 1.x", "sd2": "SD 2.x", "sdxl": "SDXL"}
 TEXT_FOLDERS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",)}
 TEXT_FOLDERS["sdxl"] = ("text_encoder", "text_encoder_2")
@@ -188,7 +187,7 @@ def load_component(component: Path, unsafe: bool = False) -> dict[str, torch.Ten
     """A component's tensors; `.bin` pickles load weights-only (refusals name the file)."""
     state = {}
     for path in weights_files(component):
-        state.update(checkpoint.state_dict_of(checkpoint.load_file_state(path, unsafe=unsafe)))
+        state.update(state_dict_of(load_file_state(path, unsafe=unsafe)))
     return state
 
 
@@ -282,7 +281,7 @@ def vae_to_original(state: dict, source: Path) -> dict:
         bare = diffusers_vae.from_diffusers(state)
     except KeyError as err:
         raise DiffusersFolderError(f"{source}: {err.args[0]}") from None
-    return {VAE_PREFIX + name: value for name, value in bare.items()}
+    return {FIRST_STAGE_PREFIX + name: value for name, value in bare.items()}
 
 
 # --- text towers ----------------------------------------------------------------------------
@@ -290,7 +289,7 @@ def clip_to_original(state: dict, prefix: str) -> dict:
     """transformers CLIPTextModel names (with or without the `text_model.` level) -> `prefix` +
     `text_model.*`; `position_ids` (a constant) dropped."""
     return {
-        prefix + "text_model." + k.removeprefix("text_model."): v
+        prefix + CLIP_LEVEL + k.removeprefix(CLIP_LEVEL): v
         for k, v in state.items()
         if not k.endswith("position_ids")
     }
@@ -315,7 +314,7 @@ def open_clip_to_original(state: dict, prefix: str, source: Path) -> dict:
     """A transformers CLIPTextModel(WithProjection) holding an OpenCLIP tower -> OpenCLIP names:
     q/k/v concatenated into `attn.in_proj_*` (nn.MultiheadAttention packs them in that order),
     `text_projection.weight` transposed (OpenCLIP computes `x @ P`, a Linear `x @ W.T`)."""
-    state = {k.removeprefix("text_model."): v for k, v in state.items()}
+    state = {k.removeprefix(CLIP_LEVEL): v for k, v in state.items()}
     out = {}
     for key, value in state.items():
         if key in OPEN_CLIP_TOP:
@@ -324,7 +323,7 @@ def open_clip_to_original(state: dict, prefix: str, source: Path) -> dict:
             out[prefix + "text_projection"] = value.T.contiguous()
         elif key.startswith("encoder.layers."):
             layer, rest = key.removeprefix("encoder.layers.").split(".", 1)
-            block = f"{prefix}transformer.resblocks.{layer}."
+            block = f"{prefix}{OPENCLIP_BLOCKS}{layer}."
             if rest.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")):
                 if rest.startswith("self_attn.q_proj."):
                     kind = rest.rsplit(".", 1)[1]  # weight | bias
@@ -361,7 +360,7 @@ def fill_unstored(state: dict, expected: dict[str, torch.Size]) -> list[str]:
             rest = key[len(prefix) :]
             if rest == "logit_scale":
                 state[key] = torch.full(shape, OPEN_CLIP_LOGIT_SCALE)
-            elif rest == "text_projection" or rest.startswith("transformer.resblocks."):
+            elif rest == "text_projection" or rest.startswith(OPENCLIP_BLOCKS):
                 state[key] = torch.zeros(shape)
             else:
                 continue
@@ -392,11 +391,9 @@ def original_state(folder: Path, unsafe: bool = False) -> tuple[dict, FolderInfo
     return state, info
 
 
-def model_family(keys) -> str:
-    for family in ("sdxl", "sd2", "sd1"):
-        if any(k.startswith(TEXT_PREFIXES[family][-1]) for k in keys):
-            return FAMILY_NAMES[family]
-    return "a model with no SD text encoder"
+def _built_family(state) -> str:
+    found = family_rules.model_family(state)
+    return found if found in FAMILY_NAMES.values() else "a model with no SD text encoder"
 
 
 def check_model(model: torch.nn.Module, folder: Path, info: FolderInfo, state: dict) -> None:
@@ -407,7 +404,7 @@ def check_model(model: torch.nn.Module, folder: Path, info: FolderInfo, state: d
     if not any(k.startswith(TEXT_PREFIXES[info.family][-1]) for k in own):
         raise DiffusersFolderError(
             f"{folder} is an {family} pipeline ({info.reason}) but the config builds "
-            f"{model_family(own)} (is --config right?)"
+            f"{_built_family(own)} (is --config right?)"
         )
     scheduler = folder / "scheduler" / "scheduler_config.json"
     if info.parameterization is not None and info.parameterization != model.parameterization:
@@ -436,24 +433,3 @@ def check_model(model: torch.nn.Module, folder: Path, info: FolderInfo, state: d
                 f"{folder}: {key} has shape {list(value.shape)}, the config builds "
                 f"{list(own[key].shape)} (is --config right?)"
             )
-
-
-def use_folder_tokenizers(model: torch.nn.Module, info: FolderInfo) -> None:
-    """The text towers tokenize with the folder's `tokenizer/` (and `tokenizer_2/`) vocabulary
-    and merges, in the order of the towers (`text_encoder`, `text_encoder_2`)."""
-    from ldm.text_encoder import clip_tokenizer
-
-    towers = [m for m in model.modules() if hasattr(m, "tokenizer") and hasattr(m, "tokenize")]
-    for tower, folder in zip(towers, info.tokenizers):
-        if folder is not None:
-            tower.tokenizer = clip_tokenizer(str(folder))
-
-
-def load_folder(model: torch.nn.Module, folder, unsafe: bool = False) -> dict:
-    """The original-layout state dict of `folder`, checked against `model` and completed; the
-    model's tokenizers switched to the folder's."""
-    folder = Path(folder)
-    state, info = original_state(folder, unsafe)
-    check_model(model, folder, info, state)
-    use_folder_tokenizers(model, info)
-    return state

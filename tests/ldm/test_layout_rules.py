@@ -1,0 +1,226 @@
+"""The rules of the weights layout (issue 31.3), pinned so a new family cannot undo them:
+
+- key prefixes (where a part sits in a checkpoint, the levels wrappers add, other tools' names)
+  are spelled only under `ldm/layout/`;
+- the modules of `ldm` import each other without a circle (`ldm.safe_load` -> `ldm.layout` ->
+  `ldm.checkpoint`, never back);
+- `ldm` never imports `lun` (scripts -> lun -> ldm).
+
+The prefixes are not taken from our code: they are read from the reference key lists of the
+released checkpoints (tests/reference) and the wrapper levels are the tools' own attribute names.
+"""
+
+import ast
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REFERENCE = ROOT / "tests" / "reference"
+PRODUCTION = ("ldm", "lun", "scripts", "main.py")
+LAYOUT = "ldm/layout/"
+
+# The levels wrappers add to parameter names, by the attribute each wrapper stores the module in.
+WRAPPER_LEVELS = (
+    "_orig_mod.",  # torch.compile: torch._dynamo.eval_frame.OptimizedModule._orig_mod
+    "module.",  # torch.nn.parallel.DistributedDataParallel.module
+    "_forward_module.",  # Lightning's _LightningModuleWrapperBase (DeepSpeed, FSDP)
+    "_fsdp_wrapped_module.",  # torch.distributed.fsdp FullyShardedDataParallel
+    "_checkpoint_wrapped_module.",  # torch.distributed.algorithms checkpoint_wrapper
+    "base_model.model.",  # peft.PeftModel.base_model (a LoraModel) .model
+    "base_layer.",  # peft's tuner layers (LoraLayer.base_layer)
+)
+# Names of the next families' single files (owners' agreement for SD 3.5 and Flux.1), and the
+# level transformers' CLIPTextModel had before 5.6.
+OTHER_LEVELS = ("text_encoders.", "double_blocks.", "single_blocks.", "text_model.")
+# Our LoRA runs' adapters sit apart under this level (ldm/layout/peft.py's rule, docs/lora.md).
+ADAPTER_LEVEL = "lora."
+KOHYA_NAME = re.compile(r"lora_(unet|te\d?)_")  # kohya-ss: lora_unet_*, lora_te_*, lora_te1/2_*
+
+
+def reference_parts() -> set[str]:
+    """Where the parts of a released checkpoint sit: the first level of its keys (the backbone's
+    two: `model.` alone is also the config's root, `model.params...`), the EMA shadows', and
+    DiT's embedders (its released files hold the backbone bare)."""
+    parts = set()
+    for name in ("sd_v1_keys.json", "sd_v2_base_keys.json", "sdxl_base_keys.json"):
+        data = json.loads((REFERENCE / name).read_text())
+        keys = [*data["keys"], *(data.get("extra_keys_in_released_checkpoints") or {})]
+        for key in keys:
+            first, _, rest = key.partition(".")
+            if not rest:
+                continue  # a schedule buffer at the root
+            if first == "model":  # and the backbone's name inside it, which EMA names use
+                parts |= {f"{first}.{rest.split('.')[0]}.", f"{rest.split('.')[0]}."}
+            else:
+                parts.add(f"{first}.")
+    dit = json.loads((REFERENCE / "dit_xl2_256_keys.json").read_text())["keys"]
+    parts |= {k.split(".")[0] + "." for k in dit if k.split(".")[0].endswith("_embedder")}
+    return parts
+
+
+def key_prefixes() -> tuple[str, ...]:
+    return tuple(sorted(reference_parts() | {*WRAPPER_LEVELS, *OTHER_LEVELS, ADAPTER_LEVEL}))
+
+
+def test_the_reference_parts_are_the_known_ones():
+    """Guards the derivation above: it must find the parts of every family's files."""
+    expected = {"model.diffusion_model.", "diffusion_model.", "first_stage_model."}
+    expected |= {"cond_stage_model."}
+    expected |= {"conditioner.", "model_ema.", "x_embedder.", "t_embedder.", "y_embedder."}
+    assert reference_parts() == expected
+
+
+def production_files(root: Path = ROOT) -> list[Path]:
+    files = [root / "main.py"]
+    for folder in PRODUCTION[:-1]:
+        files += sorted((root / folder).rglob("*.py"))
+    return files
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def prefix_literals(path: Path, prefixes: tuple[str, ...], root: Path = ROOT) -> list[str]:
+    """The string constants of a file (f-string parts too; not docstrings, not sentences: a
+    message may name a prefix for the user) that spell a key prefix."""
+    tree = ast.parse(path.read_text())
+    docs = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Constant) or not isinstance(node.value, str):
+            continue
+        text = node.value
+        if id(node) in docs or not text or any(c.isspace() for c in text):
+            continue
+        if text.startswith(prefixes) or text == "model." or KOHYA_NAME.match(text):
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {text!r}")
+    return found
+
+
+def test_no_key_prefix_is_spelled_outside_ldm_layout():
+    prefixes = key_prefixes()
+    found = []
+    for path in production_files():
+        if not path.relative_to(ROOT).as_posix().startswith(LAYOUT):
+            found += prefix_literals(path, prefixes)
+    assert not found, "key prefixes belong in ldm/layout/ (ask it for names):\n" + "\n".join(found)
+
+
+def test_the_layout_package_does_spell_them():
+    """The scan sees prefixes where they are (a scan that finds nothing proves nothing)."""
+    prefixes = key_prefixes()
+    found = [x for p in sorted((ROOT / LAYOUT).glob("*.py")) for x in prefix_literals(p, prefixes)]
+    spelled = " ".join(found)
+    for expected in ("'model_ema.'", "'first_stage_model.'", "'_orig_mod.'", "'lora_unet_'"):
+        assert expected in spelled
+
+
+# --- imports -------------------------------------------------------------------------------
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module a file imports, at the top or inside a function (a lazy import is still a
+    dependency); `from ldm import checkpoint` names the module `ldm.checkpoint`."""
+    found = set()
+    package = module_name(path, root).rsplit(".", 1)[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from . import x
+                base = ".".join([*package.split(".")[: len(package.split(".")) - node.level + 1]])
+                base = f"{base}.{node.module}" if node.module else base
+            found.add(base)
+            found |= {f"{base}.{alias.name}" for alias in node.names}
+    return found
+
+
+def import_graph(package: str = "ldm", root: Path = ROOT) -> dict[str, set[str]]:
+    files = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    return {name: imports_of(path, root) & set(files) - {name} for name, path in files.items()}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_circles_finds_a_loop_and_only_loops():
+    """The detector itself, on hand-drawn graphs."""
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_import_circle_in_ldm():
+    graph = import_graph()
+    assert "ldm.layout.family" in graph["ldm.checkpoint"]  # the graph sees `from ldm.layout import`
+    found = circles(graph)
+    assert not found, f"import circles in ldm: {found}"
+
+
+def test_ldm_never_imports_lun():
+    found = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in sorted((ROOT / "ldm").rglob("*.py"))
+        for name in imports_of(path)
+        if name == "lun" or name.startswith("lun.")
+    ]
+    assert not found, "ldm must not depend on lun (scripts -> lun -> ldm):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("x = 'model_ema.' + name\n", ["model_ema."]),
+        ("x = f'model.diffusion_model.{name}'\n", ["model.diffusion_model."]),
+        ("x = 'lora_te1_' + name\n", ["lora_te1_"]),
+        ("x = name.replace('_orig_mod.', '')\n", ["_orig_mod."]),
+        ("x = 'model.params.ckpt_path'\n", []),  # a config path, not a key
+        ("x = 'no such key first_stage_model.x'\n", []),  # a sentence for the user
+    ],
+)
+def test_the_scan_reads_constants_and_f_strings(tmp_path, source, expected):
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    found = prefix_literals(path, key_prefixes(), tmp_path)
+    assert [f.split(": ", 1)[1].strip("'") for f in found] == expected
