@@ -34,7 +34,8 @@ SD_SCALE_FACTOR = 0.18215  # the SD VAE's latent scale: the default when no part
 
 @dataclass(frozen=True)
 class Speed:
-    """How the parts run (`model.params.speed`); none of it changes what is computed.
+    """How the parts run (`model.params.speed`): the VAE's precision, the backbone's memory
+    format, compilation and attention kernels - not what the model computes.
 
     first_stage_fp32: run the VAE in its own (float32) weights with autocast off under mixed
         precision; the SD VAE overflows in fp16. Its latents come back in the input's dtype.
