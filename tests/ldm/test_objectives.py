@@ -124,10 +124,14 @@ def test_offset_noise_adds_one_draw_per_sample_and_channel():
     torch.testing.assert_close(plain, pixels)
 
 
-@pytest.mark.parametrize("name, sampler", [("eps", "ddim"), ("v", "ddim"), ("flow", "euler")])
-def test_the_sampler_reads_the_output_as_the_objective_defines_it(name, sampler):
+@pytest.mark.parametrize(
+    "name, sampler, learn_sigma",
+    [("eps", "ddim", False), ("v", "ddim", False), ("flow", "euler", False), ("v", "ddim", True)],
+)
+def test_the_sampler_reads_the_output_as_the_objective_defines_it(name, sampler, learn_sigma):
     """A backbone that outputs the true eps / v / velocity of one fixed x_0 from any x_t: every
-    DDIM step predicts exactly that x_0, and flow Euler lands on it."""
+    DDIM step predicts exactly that x_0, and flow Euler lands on it. A learn_sigma backbone's
+    variance half (here 5s) is not read by these samplers."""
     x0, noise = draws(1)
     abar = sd_alphas_cumprod()
 
@@ -136,9 +140,12 @@ def test_the_sampler_reads_the_output_as_the_objective_defines_it(name, sampler)
             return (x_t - x0) / col(t / 1000)  # e - x_0, with e = (x_t - (1 - t) x_0) / t
         a, s = col(abar[t].sqrt()), col((1 - abar[t]).sqrt())
         eps = (x_t - a * x0) / s
-        return eps if name == "eps" else a * eps - s * x0
+        out = eps if name == "eps" else a * eps - s * x0
+        return torch.cat([out, torch.full_like(out, 5.0)], 1) if learn_sigma else out
 
     objective = objectives.build(name)
+    if learn_sigma:
+        objective = objectives.LearnedVariance(objective)
     denoised = []
     out = objective.sample(
         oracle,
