@@ -278,6 +278,9 @@ class AutoencoderKL(nn.Module):
             under `first_stage_model.`, e.g. a fine-tuned VAE swapped into a model.
         ignore_keys: key prefixes dropped from `ckpt_path` before loading.
         monitor, image_key: accepted from the original configs; unused (no VAE training).
+        scale_factor, shift_factor: the latent geometry this VAE was made with: the diffusion
+            model's latents are (z - shift_factor) * scale_factor (diffusers' `scaling_factor`
+            and `shift_factor`; SD3's VAE: 1.5305 and 0.0609). None: the diffusion model says.
     """
 
     def __init__(
@@ -289,8 +292,11 @@ class AutoencoderKL(nn.Module):
         ignore_keys: tuple[str, ...] = (),
         monitor: str | None = None,
         image_key: str = "image",
+        scale_factor: float | None = None,
+        shift_factor: float = 0.0,
     ):
         super().__init__()
+        self.scale_factor, self.shift_factor = scale_factor, shift_factor
         ddconfig = _checked_ddconfig(ddconfig)
         loss_target = None if lossconfig is None else lossconfig.get("target")
         if loss_target not in IDENTITY_LOSSES:
@@ -385,6 +391,7 @@ class IdentityFirstStage(nn.Module):
     """
 
     downscale = 1
+    scale_factor, shift_factor = 1.0, 0.0  # pixels in [-1, 1] are the model's latents
 
     def __init__(self, channels: int = 3, vq_interface: bool = False):
         super().__init__()

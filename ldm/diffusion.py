@@ -5,16 +5,18 @@ Rombach et al. 2022, "High-Resolution Image Synthesis with Latent Diffusion Mode
 `state_dict()` is an original checkpoint and original checkpoints load strictly.
 """
 
+import difflib
+import inspect
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from ldm import checkpoint, flow, sampling, vlb
+from ldm import checkpoint, objectives
 from ldm import lora as lora_module
 from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
@@ -22,13 +24,69 @@ from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
 from ldm.optim import build_optimizer, build_scheduler
-from ldm.schedule import schedule_betas, schedule_buffers, snr
-from ldm.util import instantiate_from_config
+from ldm.util import ParamError, instantiate_from_config
 from ldm.validation import FixedNoiseValidation
 
 log = logging.getLogger(__name__)
 
 TIMESTEP_BUCKETS = 4  # loss is also logged per quarter of the timestep range
+SD_SCALE_FACTOR = 0.18215  # the SD VAE's latent scale: the default when no part names one
+
+
+@dataclass(frozen=True)
+class Speed:
+    """How the parts run (`model.params.speed`): the VAE's precision, the backbone's memory
+    format, compilation and attention kernels - not what the model computes.
+
+    first_stage_fp32: run the VAE in its own (float32) weights with autocast off under mixed
+        precision; the SD VAE overflows in fp16. Its latents come back in the input's dtype.
+    channels_last: keep the backbone's weights and inputs in channels-last memory format
+        (faster convolutions on tensor-core GPUs).
+    compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
+        unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`;
+        `{mode: reduce-overhead}` adds CUDA graphs: fewer kernel launches). Checked before
+        the run: a machine where torch.compile cannot run, or an unknown mode or backend,
+        is one error line.
+    attention_kernels: restrict the backbone's fused attention to these
+        `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
+        `efficient`, `math` (a name or a list); null lets PyTorch pick. cudnn and efficient
+        need CUDA (checked before the run). docs/gpu.md says which is fastest where.
+    """
+
+    first_stage_fp32: bool = True
+    channels_last: bool = False
+    compile_backbone: bool | Mapping | None = None
+    attention_kernels: str | list | None = None
+
+
+# The flat spellings of the keys `objective:` and `speed:` group, kept as adapters: every config
+# written before (and the CompVis / sgm translations in ldm.util) still loads.
+FLAT_KEYS = {
+    **{name: "objective" for name in objectives.SETTINGS},
+    **{f.name: "speed" for f in fields(Speed)},
+}
+
+
+def grouped_settings(flat: Mapping, objective: Mapping | None, speed: Mapping | None):
+    """(objective, speed) settings with the flat keys moved into their group; an unknown key
+    (or one given both ways) is a ParamError naming it."""
+    groups = {"objective": dict(objective or {}), "speed": dict(speed or {})}
+    for name, value in flat.items():
+        if name not in FLAT_KEYS:
+            known = [*inspect.signature(LatentDiffusion).parameters, *FLAT_KEYS]
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean '{near[0]}'?" if near else ""
+            raise ParamError(f"ldm.diffusion.LatentDiffusion: unknown parameter '{name}'{hint}")
+        group = groups[FLAT_KEYS[name]]
+        if name in group:
+            raise ParamError(f"model.params: give {FLAT_KEYS[name]}.{name} or {name}, not both")
+        group[name] = value
+    unknown = sorted(set(groups["speed"]) - {f.name for f in fields(Speed)})
+    if unknown:
+        raise ParamError(
+            f"model.params.speed: unknown keys {unknown}; expected {[f.name for f in fields(Speed)]}"
+        )
+    return groups["objective"], Speed(**groups["speed"])
 
 
 class DiffusionWrapper(nn.Module):
@@ -59,19 +117,25 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         conditioner_config: the conditioner: a text encoder (`ldm.text_encoder.FrozenCLIPEmbedder`
             (v1), `FrozenOpenCLIPEmbedder` (v2)) or `ldm.conditioning.ClassLabels`; it owns the
             caption / label dropout for classifier-free guidance (its `ucg_rate`).
-        parameterization: what the backbone predicts: "eps" (noise; SD 1.x, 2.x-base) or "v"
-            (velocity, Salimans & Ho 2022; SD 2.x-768) or "flow" (rectified flow, the velocity
-            e - x_0 of x_t = (1 - t) x_0 + t e; SD3: `ldm.flow`).
-        schedule: for "flow", how t is drawn and shifted (`ldm.flow.FlowSchedule`:
-            timestep_sampling, logit_mean, logit_std, mode_scale, shift). Otherwise the DDPM noise schedule, arguments of `ldm.schedule.schedule_betas`:
-            `timesteps` (1000), `beta_schedule` ("linear" is SD's: linspace(sqrt(start),
-            sqrt(end)) ** 2), `linear_start` (0.00085), `linear_end` (0.012), `cosine_s`,
-            `zero_terminal_snr` (Lin et al. 2023, arXiv:2305.08891; use with "v").
-        scale_factor: latents are multiplied by it after encoding (0.18215 for the SD VAE).
-        min_snr_gamma: weight the loss by min(SNR, gamma)/SNR (Hang et al. 2023,
-            arXiv:2303.09556); None = plain MSE. 5.0 is the paper's choice.
-        offset_noise: add `offset_noise * N(0, 1)` per sample and channel to the noise, which lets
-            the model learn very dark/bright images (Guttenberg 2023); 0.1 is common.
+        parameterization: the objective (`ldm.objectives`), what the backbone predicts: "eps"
+            (noise; SD 1.x, 2.x-base), "v" (velocity, Salimans & Ho 2022; SD 2.x-768) or "flow"
+            (rectified flow, the velocity e - x_0 of x_t = (1 - t) x_0 + t e; SD3: `ldm.flow`).
+        objective: the objective's settings (`ldm.objectives.SETTINGS`; also accepted flat, as
+            older configs write them):
+            `schedule`: for "flow", how t is drawn and shifted (`ldm.flow.FlowSchedule`:
+            timestep_sampling, logit_mean, logit_std, mode_scale, shift). Otherwise the DDPM
+            noise schedule, arguments of `ldm.schedule.schedule_betas`: `timesteps` (1000),
+            `beta_schedule` ("linear" is SD's: linspace(sqrt(start), sqrt(end)) ** 2),
+            `linear_start` (0.00085), `linear_end` (0.012), `cosine_s`, `zero_terminal_snr`
+            (Lin et al. 2023, arXiv:2305.08891; use with "v").
+            `min_snr_gamma`: weight the loss by min(SNR, gamma)/SNR (eps; /(SNR + 1) for v; Hang
+            et al. 2023, arXiv:2303.09556); None = plain MSE. 5.0 is the paper's choice.
+            `offset_noise`: add `offset_noise * N(0, 1)` per sample and channel to the noise,
+            which lets the model learn very dark/bright images (Guttenberg 2023); 0.1 is common.
+        scale_factor: the CompVis spelling of the latent scale; when given it wins over the
+            first stage's. Model latents are (z - shift_factor) * scale_factor, with the first
+            stage's `shift_factor` (0 for the SD VAEs; SD3's and Flux's VAEs have one) and its
+            `scale_factor` when this is None (0.18215, the SD VAE's, when neither says).
         learning_rate: the optimizer's learning rate; the launcher writes `base_learning_rate`
             (scaled with `--scale_lr`) here.
         optimizer_config: `{target: adamw | adamw8bit | dotted.Path, params}` (default AdamW,
@@ -79,24 +143,15 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
             `ldm.optim.WarmupScheduler` or the original `LambdaLinearScheduler`.
         ckpt_path: weights to start from (original SD `.ckpt`/`.safetensors` or ours);
             load_ema: start from its EMA weights instead of the raw ones.
-        first_stage_fp32: run the VAE in its own (float32) weights with autocast off under mixed
-            precision; the SD VAE overflows in fp16. Its latents come back in the input's dtype.
-        channels_last: keep the backbone's weights and inputs in channels-last memory format
-            (faster convolutions on tensor-core GPUs).
-        compile_backbone: `torch.compile` the backbone in place (names, and so checkpoints,
-            unchanged): true, or a dict of `torch.compile` arguments (`{mode: max-autotune}`;
-            `{mode: reduce-overhead}` adds CUDA graphs: fewer kernel launches). Checked before
-            the run: a machine where torch.compile cannot run, or an unknown mode or backend,
-            is one error line.
-        attention_kernels: restrict the backbone's fused attention to these
-            `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
-            `efficient`, `math` (a name or a list); null lets PyTorch pick. cudnn and efficient
-            need CUDA (checked before the run). docs/gpu.md says which is fastest where.
+        speed: how the parts run, `Speed`: `first_stage_fp32` (default true), `channels_last`,
+            `compile_backbone`, `attention_kernels` (also accepted flat, as older configs write
+            them).
         schedule_in_checkpoint: keep the DDPM schedule buffers (`betas`, `alphas_cumprod`, ...)
             in the state dict, as CompVis files do; sgm files (SDXL) have none (false).
         lora: train LoRA / LoCon / DoRA adapters on a frozen base instead of the whole backbone:
             `{rank, alpha, dropout, targets: [attn, proj, ff, conv], conv_rank, conv_alpha, dora,
             init, text_encoder: {rank, alpha, dropout, lr}, base_dtype}` (`ldm.lora.LoraSettings`).
+        **flat: the old flat spellings of the `objective` and `speed` keys (`FLAT_KEYS`).
     """
 
     def __init__(
@@ -105,38 +160,28 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         first_stage_config: Mapping,
         conditioner_config: Mapping,
         parameterization: str = "eps",
-        schedule: Mapping | None = None,
-        scale_factor: float = 0.18215,
-        min_snr_gamma: float | None = None,
-        offset_noise: float = 0.0,
+        objective: Mapping | None = None,
+        scale_factor: float | None = None,
         learning_rate: float = 1.0e-4,
         optimizer_config: Mapping | None = None,
         scheduler_config: Mapping | None = None,
         ckpt_path: str | None = None,
         load_ema: bool = False,
-        first_stage_fp32: bool = True,
-        channels_last: bool = False,
-        compile_backbone: bool | Mapping | None = None,
-        attention_kernels: str | list | None = None,
+        speed: Mapping | None = None,
         lora: Mapping | None = None,
         schedule_in_checkpoint: bool = True,
+        **flat,
     ):
         super().__init__()
-        self.lora_settings = lora_module.parse_settings(lora)  # checked before anything is built
-        compile_options = compile_arguments(compile_backbone) if compile_backbone else None
-        self.sdpa_kernels = None if attention_kernels is None else sdpa_kernels(attention_kernels)
-        if parameterization not in ("eps", "v", "flow"):
-            raise ValueError(
-                f"parameterization must be 'eps', 'v' or 'flow', got '{parameterization}'"
-            )
-        self.parameterization = parameterization
-        # Rectified flow owns its time distribution; the DDPM buffers stay (default schedule)
-        # so that checkpoints and the fixed-t validation keep their shape: its step t is t/T.
-        self.flow = flow.FlowSchedule(**(schedule or {})) if parameterization == "flow" else None
-        if self.flow is not None and min_snr_gamma is not None:
-            raise ValueError("min_snr_gamma is a DDPM weighting: leave it out with 'flow'")
-        self.scale_factor = scale_factor
-        self.min_snr_gamma, self.offset_noise = min_snr_gamma, offset_noise
+        # Everything that can be wrong in the settings is checked before anything is built.
+        objective, speed = grouped_settings(flat, objective, speed)
+        objective = objectives.build(parameterization, objective)
+        self.lora_settings = lora_module.parse_settings(lora)
+        compile_options = (
+            compile_arguments(speed.compile_backbone) if speed.compile_backbone else None
+        )
+        kernels = speed.attention_kernels
+        self.sdpa_kernels = None if kernels is None else sdpa_kernels(kernels)
         self.learning_rate = learning_rate
         self.optimizer_config, self.scheduler_config = optimizer_config, scheduler_config
 
@@ -149,16 +194,18 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         # (Set directly: add_module refuses "conditioner", the name of the property below.)
         self._modules[self._conditioner_name] = conditioner
         self.first_stage_model.requires_grad_(False)
-        self._check_geometry()
-        if self.flow is not None and self.learn_sigma:
-            raise ValueError("a learn_sigma backbone (DiT's VLB) cannot train with 'flow'")
+        self._check_geometry(scale_factor)
+        # A backbone that also outputs its variance (DiT's learn_sigma) has its own objective.
+        self.objective = objectives.for_backbone(objective, self.backbone)
         self.register_load_state_dict_pre_hook(checkpoint.load_state_dict_pre_hook)
 
-        betas = schedule_betas(**({} if self.flow else schedule or {}))
-        self.num_timesteps = len(betas)
+        # The DDPM schedule buffers keep the CompVis names (a flow model keeps the default ones).
+        self.num_timesteps = self.objective.num_timesteps
         self.validation_loss = FixedNoiseValidation(self.num_timesteps, TIMESTEP_BUCKETS)
-        for name, value in schedule_buffers(betas).items():
+        buffers = self.objective.schedule_buffers()
+        for name, value in buffers.items():
             self.register_buffer(name, value, persistent=schedule_in_checkpoint)
+        self._schedule_names = tuple(buffers)
 
         if self.lora_settings is not None:
             lora_module.add_adapters(
@@ -169,16 +216,17 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
             if self.lora_settings is not None:
                 lora_module.after_loading(self, loaded)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
-        self.first_stage_fp32, self.channels_last = first_stage_fp32, channels_last
-        if channels_last:
+        self.first_stage_fp32, self.channels_last = speed.first_stage_fp32, speed.channels_last
+        if speed.channels_last:
             self.backbone.to(memory_format=torch.channels_last)
-        if compile_backbone:
+        if speed.compile_backbone:
             self.backbone.compile(**compile_options)
         self._loss_window: tuple[list, list] = ([], [])  # per-sample losses, t of this step
         self.train()
 
-    def _check_geometry(self) -> None:
-        """Latent channels, downscale and the size multiple, from the built parts."""
+    def _check_geometry(self, scale_factor: float | None) -> None:
+        """Latent channels, downscale, size multiple and the latents' shift and scale, from the
+        built parts (`scale_factor`, the CompVis argument, wins over the first stage's)."""
         backbone, first_stage = self.backbone, self.first_stage_model
         if backbone.in_channels != first_stage.latent_channels:
             raise ValueError(
@@ -190,8 +238,10 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         # Image sides must survive the first stage's and then the backbone's downsampling.
         self.size_multiple = self.downscale * backbone.size_multiple
         self.latent_size = backbone.image_size or 64  # default sample size, in latent pixels
-        # A learn_sigma backbone (DiT) also outputs the variance interpolation (ldm.vlb).
-        self.learn_sigma = getattr(backbone, "learn_sigma", False)
+        if scale_factor is None:
+            scale_factor = first_stage.scale_factor
+        self.scale_factor = SD_SCALE_FACTOR if scale_factor is None else float(scale_factor)
+        self.shift_factor = float(first_stage.shift_factor)
 
     @property
     def backbone(self) -> nn.Module:
@@ -227,7 +277,25 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         self.first_stage_model.eval()  # frozen: no dropout (a frozen conditioner sees to itself)
         return self
 
+    @property
+    def parameterization(self) -> str:
+        """The objective's config name: "eps", "v" or "flow"."""
+        return self.objective.name
+
+    @property
+    def schedule(self) -> dict[str, torch.Tensor]:
+        """The schedule buffers (CompVis names) the objective reads, on the module's device."""
+        return {name: getattr(self, name) for name in self._schedule_names}
+
     # --- the three models --------------------------------------------------------------------
+    def scale_latents(self, z: torch.Tensor) -> torch.Tensor:
+        """First-stage latents -> the backbone's: (z - shift_factor) * scale_factor."""
+        return (z - self.shift_factor) * self.scale_factor
+
+    def unscale_latents(self, latents: torch.Tensor) -> torch.Tensor:
+        """The backbone's latents -> the first stage's: latents / scale_factor + shift_factor."""
+        return latents / self.scale_factor + self.shift_factor
+
     @torch.no_grad()
     def encode_first_stage(
         self, images: torch.Tensor, generator: torch.Generator | None = None
@@ -237,7 +305,7 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         def encode(x):
             return self.first_stage_model.encode(x).sample(generator)
 
-        return self._run_first_stage(encode, images) * self.scale_factor
+        return self.scale_latents(self._run_first_stage(encode, images))
 
     def cached_latent(
         self, latent: torch.Tensor, generator: torch.Generator | None = None
@@ -246,13 +314,13 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         sampled as `encode_first_stage` samples them (same draw, same stream); a latent already
         sampled and scaled (B, C, h, w) is used as it is."""
         if latent.shape[1] == 2 * self.latent_channels:
-            return DiagonalGaussianDistribution(latent).sample(generator) * self.scale_factor
+            return self.scale_latents(DiagonalGaussianDistribution(latent).sample(generator))
         return latent
 
     @torch.no_grad()
     def decode_first_stage(self, latents: torch.Tensor) -> torch.Tensor:
         """Scaled latent -> images (B, 3, H, W), roughly in [-1, 1]."""
-        return self._run_first_stage(self.first_stage_model.decode, latents / self.scale_factor)
+        return self._run_first_stage(self.first_stage_model.decode, self.unscale_latents(latents))
 
     def _run_first_stage(self, fn, x: torch.Tensor) -> torch.Tensor:
         """`fn(x)` in the VAE's weight dtype with autocast off (`first_stage_fp32`), in x's dtype."""
@@ -290,10 +358,9 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
     def predict(
         self, x_t: torch.Tensor, t: torch.Tensor, cond: Mapping[str, torch.Tensor]
     ) -> torch.Tensor:
-        """eps or v: the backbone's output without a learn_sigma backbone's variance half (the
-        samplers use their own variances)."""
-        out = self.apply_model(x_t, t, cond)
-        return out[:, : self.latent_channels] if self.learn_sigma else out
+        """What the objective compares with its target (eps, v or the flow's velocity): the
+        backbone's output without a learn_sigma backbone's variance half."""
+        return self.objective.prediction(self.apply_model(x_t, t, cond))
 
     # --- training ----------------------------------------------------------------------------
     def training_step(self, batch, batch_idx):
@@ -361,64 +428,25 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
             self.log(key, value, prog_bar=key == "val/loss", sync_dist=True, reduce_fx="max")
 
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):
-        """Noise the latents at random t, predict eps or v; returns (loss, per-sample loss, t)."""
+        """Noise the latents at times t drawn by the objective; returns (loss, per-sample loss,
+        t in the backbone's units)."""
         if "latent" in batch:  # cached (scripts/cache_latents.py): no VAE pass
             z = self.cached_latent(batch["latent"], generator)
         else:
             z = self.encode_first_stage(batch["image"], generator)
         cond = self.conditioning(batch, generator, drop=self.training)
-
-        b = z.shape[0]
-        if self.flow is not None:  # continuous t in [0, 1], in the backbone's units t * T
-            t = self.flow.sample_t(b, generator, z.device) * self.num_timesteps
-        else:
-            t = torch.randint(0, self.num_timesteps, (b,), generator=generator, device=z.device)
-        noise = torch.randn(z.shape, generator=generator, device=z.device, dtype=z.dtype)
-        if self.offset_noise:
-            noise = noise + self.offset_noise * torch.randn(
-                b, z.shape[1], 1, 1, generator=generator, device=z.device, dtype=z.dtype
-            )
+        t = self.objective.sample_t(z.shape[0], generator, z.device)
+        noise = self.objective.draw_noise(z, generator)
         per_sample = self.loss_at(z, cond, t, noise, batch)
         return per_sample.mean(), per_sample.detach(), t
 
     def loss_at(self, z, cond, t, noise, batch) -> torch.Tensor:
-        """Per-sample loss (B,) of the latents z noised with `noise` at timesteps t."""
-        b = z.shape[0]
-        if self.flow is not None:  # t in backbone units: flow time t / T (ldm.flow)
-            x_t = flow.noised(z, noise, t / self.num_timesteps)
-            target = flow.velocity(z, noise)
-        else:
-            a = self.sqrt_alphas_cumprod[t].view(b, 1, 1, 1)
-            s = self.sqrt_one_minus_alphas_cumprod[t].view(b, 1, 1, 1)
-            x_t = a * z + s * noise
-            target = (
-                noise if self.parameterization == "eps" else a * noise - s * z
-            )  # v = sqrt(abar) eps - sqrt(1-abar) x0
-
-        prediction = self.apply_model(x_t, t, cond)
-        if self.learn_sigma:  # eps (or v), then the variance interpolation
-            prediction, variance = prediction.chunk(2, dim=1)
-        per_sample = F.mse_loss(prediction.float(), target.float(), reduction="none").mean(
-            dim=(1, 2, 3)
-        )
-        if self.min_snr_gamma is not None:
-            per_sample = per_sample * self.min_snr_weight(t)
-        if self.learn_sigma:
-            # L_hybrid = L_simple + L_vlb with the mean frozen (Nichol & Dhariwal 2021, sec. 3.1)
-            out = prediction.detach()
-            pred_x0 = (x_t - s * out) / a if self.parameterization == "eps" else a * x_t - s * out
-            per_sample = per_sample + vlb.vlb_bits_per_dim(self.betas, z, x_t, t, pred_x0, variance)
+        """Per-sample loss (B,) of the latents z noised with `noise` at times t (the objective's,
+        `ldm.objectives`), times the batch's per-image weights."""
+        per_sample = self.objective.loss(self.apply_model, z, noise, t, cond, self.schedule)
         if "loss_weight" in batch:  # per-image weights from the data (DreamBooth's prior loss)
             per_sample = per_sample * batch["loss_weight"].to(per_sample)
         return per_sample
-
-    def min_snr_weight(self, t: torch.Tensor) -> torch.Tensor:
-        """min(SNR, gamma) / SNR for eps, min(SNR, gamma) / (SNR + 1) for v (Hang et al. 2023, Eq. 10)."""
-        ratio = snr(self.alphas_cumprod[t]).float()
-        clipped = ratio.clamp(max=self.min_snr_gamma)
-        if self.parameterization == "v":
-            return clipped / (ratio + 1)
-        return clipped / ratio.clamp(min=1e-8)
 
     def configure_optimizers(self):
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -494,39 +522,15 @@ class LatentDiffusion(CompVisAPI, pl.LightningModule):
         if noise is None:
             noise = torch.randn(shape, generator=generator, device=self.device)
         init_latent = self.encode_first_stage(init_images) if init_images is not None else None
-        if self.flow is not None:  # rectified flow: its own samplers (ldm.flow)
-            if karras or eta:
-                raise ValueError(
-                    "karras and eta are DDPM sampler options: leave them out for a flow model"
-                )
-            latents = flow.sample(
-                self.predict,
-                noise,
-                sampler=sampler,
-                steps=steps,
-                shift=self.flow.shift,
-                cond=cond,
-                uncond=uncond,
-                scale=scale,
-                init_latent=init_latent,
-                strength=strength,
-                num_train_timesteps=self.num_timesteps,
-            )
-            return self.decode_first_stage(latents).clamp(-1, 1)
-        # A learned-variance sampler (ddpm_learned) reads the variance half too.
-        learned = getattr(sampling.SAMPLER_SPECS.get(sampler), "learned_variance", False)
-        if learned and not self.learn_sigma:
-            raise ValueError(f"sampler {sampler!r} needs a model with learn_sigma: true")
-        latents = sampling.sample(
-            self.apply_model if learned else self.predict,
+        latents = self.objective.sample(
+            self.apply_model,
             noise,
-            self.alphas_cumprod,
+            self.schedule,
             sampler=sampler,
             steps=steps,
             cond=cond,
             uncond=uncond,
             scale=scale,
-            parameterization=self.parameterization,
             eta=eta,
             karras=karras,
             generator=generator,

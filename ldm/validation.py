@@ -16,9 +16,10 @@ its range, and their mean - `val/loss` - the training objective E_t[loss] with f
 than one random t per item (stratified sampling; compare the low-discrepancy timesteps of Kingma
 et al. 2021, "Variational Diffusion Models", arXiv:2107.00630, App. I.1).
 
-The loss is the training objective (`LatentDiffusion.loss_at`: eps or v MSE, min-SNR weights,
-the VLB term of learned-variance models, per-image weights), of the clean latent: the VAE
-posterior's mean instead of a sample, and Gaussian noise without the training-only offset noise.
+The loss is the training objective (`LatentDiffusion.loss_at`, `ldm.objectives`: the eps, v or
+flow MSE, min-SNR weights, the VLB term of learned-variance models, per-image weights), of the
+clean latent: the VAE posterior's mean instead of a sample, and Gaussian noise without the
+training-only offset noise.
 """
 
 import logging
@@ -129,17 +130,17 @@ class FixedNoiseValidation:
 
 
 def clean_latent(model, batch) -> torch.Tensor:
-    """The scaled latent of the batch without posterior noise: the VAE posterior's mean (or a
-    cached latent's mean; a latent cached already sampled is used as it is)."""
+    """The model's latent of the batch without posterior noise: the VAE posterior's mean (or a
+    cached latent's mean; a latent cached already sampled is used as it is), shifted and scaled
+    (`LatentDiffusion.scale_latents`)."""
     if "latent" in batch:
         latent = batch["latent"]
         if latent.shape[1] == 2 * model.latent_channels:
-            return DiagonalGaussianDistribution(latent).mode() * model.scale_factor
+            return model.scale_latents(DiagonalGaussianDistribution(latent).mode())
         return latent
     images = batch["image"]
-    return model._run_first_stage(lambda x: model.first_stage_model.encode(x).mode(), images) * (
-        model.scale_factor
-    )
+    mode = model._run_first_stage(lambda x: model.first_stage_model.encode(x).mode(), images)
+    return model.scale_latents(mode)
 
 
 def gather_rows(model, *tensors: torch.Tensor) -> list[torch.Tensor]:

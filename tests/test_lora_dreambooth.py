@@ -38,8 +38,9 @@ def test_prior_preservation_loss_is_eq2_as_diffusers_computes_it(
         prior_loss_weight=0.4,
         size=32,
     )
-    model = build(tiny_config, "{rank: 4, targets: [attn]}")  # a base whose output depends on x
-    model.parameterization = parameterization
+    # a base whose output depends on x
+    overrides = (f"model.params.parameterization={parameterization}",)
+    model = build(tiny_config, "{rank: 4, targets: [attn]}", overrides=overrides)
     batch = data.collate([data[0], data[1], data[2]])  # 3 instance, then 3 class images
     # Latents given (as cached ones are): the test knows z without the VAE's sampling.
     z = model.encode_first_stage(batch.pop("image"), torch.Generator().manual_seed(0))

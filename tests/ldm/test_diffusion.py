@@ -7,6 +7,7 @@ import torch
 
 from ldm.diffusion import LatentDiffusion
 from ldm.util import instantiate_from_config
+from ldm.validation import clean_latent
 from lun.config import merge_configs, to_container
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -155,3 +156,126 @@ def test_sample_is_deterministic_and_has_the_asked_size(tiny):
     logs = model.log_images(fixed_batch(), N=2, steps=2, reconstructions=True)
     assert {"inputs", "reconstructions", "samples"} <= set(logs)
     assert logs["samples"].shape == (2, 3, 32, 32)
+
+
+# --- the latent geometry: model latents = (z - shift_factor) * scale_factor -------------------
+def test_latents_are_shifted_and_scaled_as_the_first_stage_says(tiny):
+    """SD3-style geometry (diffusers' AutoencoderKL `shift_factor`, `scaling_factor`): the
+    formula written out against the VAE's own encode/decode."""
+    model = tiny(
+        scale_factor="null",
+        **{"first_stage_config.params.scale_factor": 2.0},
+        **{"first_stage_config.params.shift_factor": 0.3},
+    ).eval()
+    vae = model.first_stage_model
+    assert (model.scale_factor, model.shift_factor) == (2.0, 0.3)
+    images = fixed_batch()["image"]
+    z = vae.encode(images).sample(torch.Generator().manual_seed(4))
+    latents = model.encode_first_stage(images, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(latents, (z - 0.3) * 2.0)
+    torch.testing.assert_close(model.decode_first_stage(latents), vae.decode(z), atol=1e-5, rtol=0)
+    # cached posterior moments, and validation's clean latent (the posterior mean)
+    moments = vae.quant_conv(vae.encoder(images))
+    cached = model.cached_latent(moments, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(cached, (z - 0.3) * 2.0)
+    mean = moments[:, :4]
+    torch.testing.assert_close(clean_latent(model, {"image": images}), (mean - 0.3) * 2.0)
+    torch.testing.assert_close(clean_latent(model, {"latent": moments}), (mean - 0.3) * 2.0)
+
+
+def test_the_compvis_scale_factor_wins_and_the_defaults_are_sds(tiny):
+    given = tiny(**{"first_stage_config.params.scale_factor": 2.0})  # the config says 0.18215
+    assert (given.scale_factor, given.shift_factor) == (0.18215, 0.0)
+    neither = tiny(scale_factor="null")
+    assert (neither.scale_factor, neither.shift_factor) == (0.18215, 0.0)
+    images = fixed_batch()["image"]
+    z = neither.first_stage_model.encode(images).sample(torch.Generator().manual_seed(4))
+    latents = neither.encode_first_stage(images, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(latents, z * 0.18215)
+
+
+def test_a_pixel_space_model_has_unit_geometry():
+    from ldm.diffusion import LatentDiffusion
+
+    model = LatentDiffusion(
+        backbone_config={
+            "target": "ldm.dit.DiT",
+            "params": dict(input_size=8, patch_size=2, in_channels=3, hidden_size=16, depth=1),
+        },
+        first_stage_config={"target": "ldm.autoencoder.IdentityFirstStage"},
+        conditioner_config={"target": "ldm.conditioning.ClassLabels", "params": {"num_classes": 2}},
+    )
+    assert (model.scale_factor, model.shift_factor) == (1.0, 0.0)
+    images = fixed_batch()["image"][:, :, :8, :8]
+    assert torch.equal(model.encode_first_stage(images), images)
+
+
+# --- the constructor: grouped settings, the old flat spellings as adapters ------------------------
+FLAT = {
+    "min_snr_gamma": 5.0,
+    "offset_noise": 0.1,
+    "schedule.zero_terminal_snr": True,
+    "channels_last": True,
+    "first_stage_fp32": False,
+}
+GROUPED = {
+    "objective": "{min_snr_gamma: 5.0, offset_noise: 0.1, schedule: {zero_terminal_snr: true}}",
+    "speed": "{channels_last: true, first_stage_fp32: false}",
+}
+
+
+def test_the_flat_keys_mean_what_the_grouped_ones_do(tiny):
+    flat, grouped = tiny(parameterization="v", **FLAT), tiny(parameterization="v", **GROUPED)
+    for model in (flat, grouped):
+        objective = model.objective
+        assert (objective.name, objective.min_snr_gamma, objective.offset_noise) == ("v", 5.0, 0.1)
+        assert model.alphas_cumprod[-1] == 0  # zero terminal SNR
+        assert model.channels_last and not model.first_stage_fp32
+    runs = [
+        m.diffusion_loss(fixed_batch(), torch.Generator().manual_seed(2)) for m in (flat, grouped)
+    ]
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+
+
+def test_a_key_given_both_ways_or_unknown_is_named(tiny):
+    from ldm.util import ParamError
+
+    with pytest.raises(ParamError, match="give objective.offset_noise or offset_noise"):
+        tiny(offset_noise=0.1, objective="{offset_noise: 0.2}")
+    with pytest.raises(
+        ParamError, match="unknown parameter 'ofset_noise'; did you mean 'offset_noise'"
+    ):
+        tiny(ofset_noise=0.1)
+    with pytest.raises(ParamError, match=r"model.params.speed: unknown keys \['channel_last'\]"):
+        tiny(speed="{channel_last: true}")
+
+
+def test_the_constructor_takes_at_most_14_arguments_and_never_asks_the_objective():
+    """Issue 31: LatentDiffusion <= 14 arguments (the old flat spellings come in through one
+    adapter), and no branch on which objective it holds (its name, the flow, learn_sigma)."""
+    import ast
+    import inspect
+
+    from ldm.diffusion import LatentDiffusion
+
+    parameters = inspect.signature(LatentDiffusion).parameters.values()
+    named = [p for p in parameters if p.kind is not p.VAR_KEYWORD]
+    assert len(named) <= 14, [p.name for p in named]
+    tree = ast.parse((ROOT / "ldm" / "diffusion.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            names = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
+            assert not names & {"eps", "v", "flow"}, ast.unparse(node)
+        if isinstance(node, ast.Attribute):
+            assert node.attr not in ("flow", "learn_sigma", "parameterization") or not (
+                isinstance(node.ctx, ast.Load) and ast.unparse(node).startswith("self.")
+            ), ast.unparse(node)
+
+
+@pytest.mark.parametrize("parameterization", ["v", "flow"])
+def test_every_objective_keeps_the_checkpoint_keys(tiny, parameterization):
+    """The schedule buffers stay (CompVis names) whatever the objective: a file written by an eps
+    model loads strictly into a v or flow model and back."""
+    eps, other = tiny(), tiny(parameterization=parameterization)
+    assert list(other.state_dict()) == list(eps.state_dict())
+    other.load_state_dict(eps.state_dict())

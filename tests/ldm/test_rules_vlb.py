@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ldm.diffusion import LatentDiffusion
+from ldm.objectives import LearnedVariance
 
 CONFIG = {
     "backbone_config": {
@@ -47,9 +48,8 @@ def test_vlb_reads_x0_by_the_parameterizations_formula(parameterization, error):
     """A stand-in model outputs the true eps / v plus `error`, and v = -1 for the variance: the
     loss is error^2 (MSE) + the KL of the x0 error that parameterization implies, by hand."""
     torch.manual_seed(0)
-    model = LatentDiffusion(**CONFIG)
-    model.parameterization = parameterization
-    assert model.learn_sigma and model.min_snr_gamma is None
+    model = LatentDiffusion(**CONFIG, parameterization=parameterization)
+    assert isinstance(model.objective, LearnedVariance) and model.objective.weight(T, {}) is None
     g = torch.Generator().manual_seed(1)
     z, noise = torch.randn(4, 3, 8, 8, generator=g), torch.randn(4, 3, 8, 8, generator=g)
     h = by_hand(model.betas, T)
