@@ -180,18 +180,13 @@ class UNetConfig:
     image_size: int | None = None
 
     def __post_init__(self):
-        self.channel_mult = tuple(self.channel_mult)
-        self.attention_resolutions = tuple(self.attention_resolutions)
-        if isinstance(self.transformer_depth, int):
-            self.transformer_depth = (self.transformer_depth,) * len(self.channel_mult)
-        self.transformer_depth = tuple(self.transformer_depth)
-        if len(self.transformer_depth) != len(self.channel_mult):
+        # Checked, not rewritten: `dataclasses.replace` of a preset must see the fields as given.
+        depth = self.transformer_depth
+        if not isinstance(depth, int) and len(depth) != len(self.channel_mult):
             raise ValueError(
-                f"transformer_depth {list(self.transformer_depth)}: expected one depth per level "
+                f"transformer_depth {list(depth)}: expected one depth per level "
                 f"of channel_mult {list(self.channel_mult)}"
             )
-        if self.transformer_depth_middle is None:
-            self.transformer_depth_middle = self.transformer_depth[-1]
         if self.num_heads == -1 and self.num_head_channels == -1:
             raise ValueError("set either num_heads or num_head_channels")
         if self.model_channels % 32:  # every width is a multiple of it; group_norm has 32 groups
@@ -202,6 +197,18 @@ class UNetConfig:
             raise ValueError(
                 f'num_classes: {self.num_classes!r} is neither a number nor "sequential"'
             )
+
+    def depth(self, level: int) -> int:
+        """Transformer depth at a level (index into channel_mult)."""
+        depth = self.transformer_depth
+        return depth if isinstance(depth, int) else depth[level]
+
+    @property
+    def middle_depth(self) -> int:
+        """The middle block's transformer depth (default: the last level's)."""
+        if self.transformer_depth_middle is not None:
+            return self.transformer_depth_middle
+        return self.depth(len(self.channel_mult) - 1)
 
     @property
     def vector_dim(self) -> int | None:
@@ -324,7 +331,7 @@ class UNet(nn.Module):
                 layers = [self._resblock(width, config.model_channels * mult)]
                 width = config.model_channels * mult
                 if factor in config.attention_resolutions:
-                    layers.append(self._transformer(width, config.transformer_depth[level]))
+                    layers.append(self._transformer(width, config.depth(level)))
                 blocks.append(TimestepEmbedSequential(*layers))
                 skip_channels.append(width)
             if level != len(config.channel_mult) - 1:
@@ -336,7 +343,7 @@ class UNet(nn.Module):
     def _middle_block(self, width: int) -> "TimestepEmbedSequential":
         return TimestepEmbedSequential(
             self._resblock(width, width),
-            self._transformer(width, self.config.transformer_depth_middle),
+            self._transformer(width, self.config.middle_depth),
             self._resblock(width, width),
         )
 
@@ -350,7 +357,7 @@ class UNet(nn.Module):
                 layers = [self._resblock(width + skip_channels.pop(), config.model_channels * mult)]
                 width = config.model_channels * mult
                 if factor in config.attention_resolutions:
-                    layers.append(self._transformer(width, config.transformer_depth[level]))
+                    layers.append(self._transformer(width, config.depth(level)))
                 if level and i == config.num_res_blocks:
                     layers.append(Upsample(width))
                     factor //= 2
