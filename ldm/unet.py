@@ -1,4 +1,5 @@
-"""The Stable Diffusion UNet with the original CompVis / sgm `openaimodel.UNetModel` parameter names.
+"""The Stable Diffusion UNet: `UNet(UNetConfig)`, presets `sd15()`, `sd2()`, `sdxl()`, and
+`UNetModel`, the original CompVis / sgm `openaimodel.UNetModel` spelling that configs name.
 
 Architecture of Rombach et al. 2022 ("High-Resolution Image Synthesis with Latent Diffusion
 Models", app. E), built on the ADM UNet of Dhariwal & Nichol 2021: ResBlocks with a timestep
@@ -9,6 +10,13 @@ A model built from the original `unet_config` has exactly the original state-dic
 SDXL (Podell et al. 2023, arXiv:2307.01952, sec. 2.1) is the same network with a transformer
 depth per level ([1, 2, 10]: none at the highest resolution) and a `vector` input (pooled text +
 size/crop embeddings, 2816 channels) added to the timestep embedding through `label_emb`.
+
+    unet = sdxl(use_checkpoint=True)                       # a preset
+    unet = UNet(replace(SD2, image_size=96))               # a preset's layout, changed
+    unet = UNetModel(**config.model.params.unet_config.params)   # an original config
+
+What a UNet needs from its conditioner it says itself: `vector_dim` (the `vector` field's width,
+None without one) and `label_field`.
 """
 
 import math

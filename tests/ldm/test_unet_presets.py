@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from ldm.unet import UNet, UNetModel, sd2, sd15, sdxl
+from ldm.unet import UNet, UNetModel, sd15, sdxl
 from ldm.util import instantiate_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,18 +28,19 @@ def shapes(module: torch.nn.Module) -> dict:
 
 
 @pytest.mark.parametrize(
-    "preset, keys_name",
+    "preset, params, keys_name",
     [
-        (sd15, "sd_v1_keys"),
-        (sd2, "sd_v2_base_keys"),
-        (sd2, "sd_v2_v_keys"),
-        (sdxl, "sdxl_base_keys"),
+        ("sd15", {}, "sd_v1_keys"),
+        ("sd2", {}, "sd_v2_base_keys"),
+        ("sd2", {"image_size": 96}, "sd_v2_v_keys"),
+        ("sdxl", {"use_checkpoint": True}, "sdxl_base_keys"),
     ],
     ids=["sd15", "sd2-base", "sd2-v", "sdxl"],
 )
-def test_presets_build_the_released_state_dict(preset, keys_name):
-    with torch.device("meta"):  # full size, no memory
-        unet = preset()
+def test_presets_build_the_released_state_dict(preset, params, keys_name):
+    with torch.device("meta"):  # full size, no memory; a preset is a config target
+        unet = instantiate_from_config({"target": f"ldm.unet.{preset}", "params": params})
+    assert isinstance(unet, UNet)
     assert shapes(unet) == released_unet(keys_name)
 
 
