@@ -1,4 +1,5 @@
-"""The Stable Diffusion UNet with the original CompVis / sgm `openaimodel.UNetModel` parameter names.
+"""The Stable Diffusion UNet: `UNet(UNetConfig)`, presets `sd15()`, `sd2()`, `sdxl()`, and
+`UNetModel`, the original CompVis / sgm `openaimodel.UNetModel` spelling that configs name.
 
 Architecture of Rombach et al. 2022 ("High-Resolution Image Synthesis with Latent Diffusion
 Models", app. E), built on the ADM UNet of Dhariwal & Nichol 2021: ResBlocks with a timestep
@@ -9,10 +10,18 @@ A model built from the original `unet_config` has exactly the original state-dic
 SDXL (Podell et al. 2023, arXiv:2307.01952, sec. 2.1) is the same network with a transformer
 depth per level ([1, 2, 10]: none at the highest resolution) and a `vector` input (pooled text +
 size/crop embeddings, 2816 channels) added to the timestep embedding through `label_emb`.
+
+    unet = sdxl(use_checkpoint=True)                       # a preset
+    unet = UNet(replace(SD2, image_size=96))               # a preset's layout, changed
+    unet = UNetModel(**config.model.params.unet_config.params)   # an original config
+
+What a UNet needs from its conditioner it says itself: `vector_dim` (the `vector` field's width,
+None without one) and `label_field`.
 """
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -129,184 +138,241 @@ def zero_init(module: nn.Module) -> nn.Module:
     return module
 
 
-class UNetModel(nn.Module):
-    """Stable Diffusion v1 / v2 UNet; accepts the original `unet_config.params` unchanged.
+@dataclass
+class UNetConfig:
+    """The layout of a UNet: everything that decides its state dict (names and shapes), under
+    the original `unet_config.params` names (so an original config is `UNetConfig(**layout)`).
 
     Args:
-        image_size: the latent size it was trained at (default sample size); the UNet itself
-            takes any size that is a multiple of `size_multiple`.
-        in_channels: latent channels in (4 for SD).
-        out_channels: channels predicted (4: eps or v).
-        model_channels: base width (320 for SD).
+        model_channels: base width (320 for SD); every width is a multiple of it.
+        channel_mult: width multiplier per level ([1, 2, 4, 4] for SD); one halving per level.
+        num_res_blocks: ResBlocks per level on the way down (one more on the way up).
         attention_resolutions: downsampling factors (1, 2, 4, ...) whose blocks get a
             SpatialTransformer ([4, 2, 1] for SD).
-        num_res_blocks: ResBlocks per level on the way down (one more on the way up).
-        channel_mult: width multiplier per level ([1, 2, 4, 4] for SD).
-        num_heads: attention heads per transformer (SD 1: 8); used when num_head_channels = -1.
-        num_head_channels: channels per head (SD 2: 64); heads = width // num_head_channels.
-        use_spatial_transformer: must be True (the text-conditioned UNet); accepted for configs.
-        use_linear_in_transformer: proj_in / proj_out are Linear (SD 2, XL) instead of 1x1 convs.
         transformer_depth: BasicTransformerBlocks per SpatialTransformer: one number, or one per
             level (SDXL: [1, 2, 10]; the same depth on the way up).
         transformer_depth_middle: depth of the middle block's transformer (default: the last
             level's).
-        context_dim: width of the cross-attention context (768 for CLIP ViT-L, 1024 for OpenCLIP H).
-        use_checkpoint: gradient checkpointing of every UNet block while training (trades one
-            extra forward pass for activation memory).
-        use_fp16: accepted for config compatibility, unused: precision comes from the trainer
-            (Lightning `precision: 16-mixed / bf16-mixed`).
+        num_heads: attention heads per transformer (SD 1: 8); used when num_head_channels = -1.
+        num_head_channels: channels per head (SD 2: 64); heads = width // num_head_channels.
         legacy: the original head-size rule (dim_head = width // heads); only differs when the
             width is not a multiple of num_head_channels.
-        dropout: dropout in ResBlocks and attention.
-        attention_backend: "sdpa" (torch scaled_dot_product_attention) or "xformers".
-        upcast_attention: compute attention in float32 under mixed precision (SD 2.x 768 v-model).
+        use_linear_in_transformer: proj_in / proj_out are Linear (SD 2, XL) instead of 1x1 convs.
+        context_dim: width of the cross-attention context (768 for CLIP ViT-L, 1024 for OpenCLIP H).
+        in_channels: latent channels in (4 for SD).
+        out_channels: channels predicted (4: eps or v).
         num_classes: optional class conditioning (label_emb), passed as `y` to forward; or
             "sequential" (sgm, SDXL): `label_emb` is an MLP of the `vector` field, whose width is
             `adm_in_channels`.
         adm_in_channels: width of the `vector` conditioning (SDXL: 1280 pooled text + 3 x 512
             size / crop features = 2816); only with num_classes "sequential".
+        image_size: the latent size it was trained at (default sample size); the UNet itself
+            takes any size that is a multiple of `size_multiple`. No weight depends on it.
+    """
+
+    model_channels: int
+    channel_mult: Sequence[int]
+    num_res_blocks: int
+    attention_resolutions: Sequence[int]
+    transformer_depth: int | Sequence[int] = 1
+    transformer_depth_middle: int | None = None
+    num_heads: int = -1
+    num_head_channels: int = -1
+    legacy: bool = False
+    use_linear_in_transformer: bool = False
+    context_dim: int | None = None
+    in_channels: int = 4
+    out_channels: int = 4
+    num_classes: int | str | None = None
+    adm_in_channels: int | None = None
+    image_size: int | None = None
+
+    def __post_init__(self):
+        # Checked, not rewritten: `dataclasses.replace` of a preset must see the fields as given.
+        depth = self.transformer_depth
+        if not isinstance(depth, int) and len(depth) != len(self.channel_mult):
+            raise ValueError(
+                f"transformer_depth {list(depth)}: expected one depth per level "
+                f"of channel_mult {list(self.channel_mult)}"
+            )
+        if self.num_heads == -1 and self.num_head_channels == -1:
+            raise ValueError("set either num_heads or num_head_channels")
+        if self.model_channels % 32:  # every width is a multiple of it; group_norm has 32 groups
+            raise ValueError(f"model_channels={self.model_channels}: expected a multiple of 32")
+        if (self.num_classes == "sequential") != (self.adm_in_channels is not None):
+            raise ValueError('adm_in_channels goes with num_classes: "sequential" (and back)')
+        if isinstance(self.num_classes, str) and self.num_classes != "sequential":
+            raise ValueError(
+                f'num_classes: {self.num_classes!r} is neither a number nor "sequential"'
+            )
+
+    def depth(self, level: int) -> int:
+        """Transformer depth at a level (index into channel_mult)."""
+        depth = self.transformer_depth
+        return depth if isinstance(depth, int) else depth[level]
+
+    @property
+    def middle_depth(self) -> int:
+        """The middle block's transformer depth (default: the last level's)."""
+        if self.transformer_depth_middle is not None:
+            return self.transformer_depth_middle
+        return self.depth(len(self.channel_mult) - 1)
+
+    @property
+    def vector_dim(self) -> int | None:
+        """Width of the `vector` conditioning field it needs (SDXL's 2816), None without one."""
+        return self.adm_in_channels
+
+    @property
+    def label_field(self) -> str | None:
+        """The conditioning field label_emb reads: "vector" (SDXL), "y" (class ids) or None."""
+        return "vector" if self.adm_in_channels else "y" if self.num_classes else None
+
+    def heads(self, width: int) -> tuple[int, int]:
+        """(heads, channels per head) of a `width`-channel transformer."""
+        if self.num_head_channels == -1:
+            heads, dim_head = self.num_heads, width // self.num_heads
+        else:
+            heads, dim_head = width // self.num_head_channels, self.num_head_channels
+        if heads < 1:
+            raise ValueError(
+                f"a {width}-channel transformer cannot have heads of {self.num_head_channels} "
+                "channels"
+            )
+        return heads, width // heads if self.legacy else dim_head
+
+
+class UNet(nn.Module):
+    """The Stable Diffusion UNet (v1, v2, XL) built from its layout; presets below (`sd15()`,
+    `sd2()`, `sdxl()`), original configs through `UNetModel`.
+
+    Args:
+        config: the layout (`UNetConfig`).
+        dropout: dropout in ResBlocks and attention.
+        attention_backend: "sdpa" (torch scaled_dot_product_attention) or "xformers".
+        upcast_attention: compute attention in float32 under mixed precision (SD 2.x 768 v-model).
+        use_checkpoint: gradient checkpointing of every UNet block while training (trades one
+            extra forward pass for activation memory).
     """
 
     def __init__(
         self,
+        config: UNetConfig,
         *,
-        in_channels: int,
-        out_channels: int,
-        model_channels: int,
-        attention_resolutions: Sequence[int],
-        num_res_blocks: int,
-        channel_mult: Sequence[int],
-        num_heads: int = -1,
-        num_head_channels: int = -1,
-        use_spatial_transformer: bool = True,
-        use_linear_in_transformer: bool = False,
-        transformer_depth: int | Sequence[int] = 1,
-        transformer_depth_middle: int | None = None,
-        context_dim: int | None = None,
-        use_checkpoint: bool = False,
-        use_fp16: bool = False,
-        legacy: bool = False,
         dropout: float = 0.0,
         attention_backend: str = "sdpa",
         upcast_attention: bool = False,
-        num_classes: int | str | None = None,
-        adm_in_channels: int | None = None,
-        image_size: int | None = None,
+        use_checkpoint: bool = False,
     ):
         super().__init__()
-        if not use_spatial_transformer:
-            raise ValueError(
-                "use_spatial_transformer=False (ADM self-attention UNet) is not supported"
-            )
-        if num_heads == -1 and num_head_channels == -1:
-            raise ValueError("set either num_heads or num_head_channels")
-        if model_channels % 32:  # every width is a multiple of it, and group_norm has 32 groups
-            raise ValueError(f"model_channels={model_channels}: expected a multiple of 32")
         check_attention_backend(attention_backend)
-        if isinstance(transformer_depth, int):
-            transformer_depth = [transformer_depth] * len(channel_mult)
-        if len(transformer_depth) != len(channel_mult):
-            raise ValueError(
-                f"transformer_depth {list(transformer_depth)}: expected one depth per level "
-                f"of channel_mult {list(channel_mult)}"
-            )
-        if transformer_depth_middle is None:
-            transformer_depth_middle = transformer_depth[-1]
-        if (num_classes == "sequential") != (adm_in_channels is not None):
-            raise ValueError('adm_in_channels goes with num_classes: "sequential" (and back)')
-        if isinstance(num_classes, str) and num_classes != "sequential":
-            raise ValueError(f'num_classes: {num_classes!r} is neither a number nor "sequential"')
-        self.model_channels = model_channels
-        # The conditioning field label_emb reads: "vector" (SDXL) or "y" (class ids).
-        self.label_field = "vector" if adm_in_channels else "y" if num_classes else None
+        self.config = config
+        self.dropout, self.use_checkpoint = dropout, use_checkpoint
+        self._attention = {"backend": attention_backend, "upcast": upcast_attention}
+        self.model_channels = config.model_channels
+        self.label_field, self.vector_dim = config.label_field, config.vector_dim
         # Geometry LatentDiffusion asks for: channels in, the native latent size (for default
         # sample sizes), and the factor sides must divide by (one halving per level).
-        self.in_channels, self.image_size = in_channels, image_size
-        self.size_multiple = 2 ** (len(channel_mult) - 1)
-        self.use_checkpoint = use_checkpoint
-        time_embed_dim = model_channels * 4
-
-        def transformer(width: int, depth: int) -> SpatialTransformer:
-            if num_head_channels == -1:
-                heads, dim_head = num_heads, width // num_heads
-            else:
-                heads, dim_head = width // num_head_channels, num_head_channels
-            if heads < 1:
-                raise ValueError(
-                    f"a {width}-channel transformer cannot have heads of {num_head_channels} channels"
-                )
-            if legacy:
-                dim_head = width // heads
-            return SpatialTransformer(
-                width,
-                heads,
-                dim_head,
-                depth=depth,
-                context_dim=context_dim,
-                dropout=dropout,
-                use_linear=use_linear_in_transformer,
-                backend=attention_backend,
-                upcast=upcast_attention,
-            )
+        self.in_channels, self.image_size = config.in_channels, config.image_size
+        self.size_multiple = 2 ** (len(config.channel_mult) - 1)
+        self.time_embed_dim = 4 * config.model_channels
 
         self.time_embed = nn.Sequential(
-            nn.Linear(model_channels, time_embed_dim),
+            nn.Linear(config.model_channels, self.time_embed_dim),
             nn.SiLU(),
-            nn.Linear(time_embed_dim, time_embed_dim),
+            nn.Linear(self.time_embed_dim, self.time_embed_dim),
         )
-        if adm_in_channels is not None:  # sgm's name: label_emb.0.{0,2}
-            self.label_emb = nn.Sequential(
-                nn.Sequential(
-                    nn.Linear(adm_in_channels, time_embed_dim),
-                    nn.SiLU(),
-                    nn.Linear(time_embed_dim, time_embed_dim),
-                )
-            )
-        elif num_classes is not None:
-            self.label_emb = nn.Embedding(num_classes, time_embed_dim)
+        label_emb = self._label_embedding()
+        if label_emb is not None:
+            self.label_emb = label_emb
+        self.input_blocks, skip_channels = self._input_blocks()
+        self.middle_block = self._middle_block(skip_channels[-1])
+        self.output_blocks = self._output_blocks(skip_channels)
+        self.out = nn.Sequential(
+            group_norm(config.model_channels * config.channel_mult[0]),
+            nn.SiLU(),
+            zero_init(nn.Conv2d(config.model_channels, config.out_channels, 3, padding=1)),
+        )
 
-        self.input_blocks = nn.ModuleList(
-            [TimestepEmbedSequential(nn.Conv2d(in_channels, model_channels, 3, padding=1))]
+    # --- builders (the original `openaimodel.UNetModel.__init__`, block by block) -------------
+
+    def _label_embedding(self) -> nn.Module | None:
+        """Class ids or SDXL's `vector`, added to the timestep embedding (`label_emb`)."""
+        config = self.config
+        if config.adm_in_channels is not None:  # sgm's name: label_emb.0.{0,2}
+            mlp = nn.Sequential(
+                nn.Linear(config.adm_in_channels, self.time_embed_dim),
+                nn.SiLU(),
+                nn.Linear(self.time_embed_dim, self.time_embed_dim),
+            )
+            return nn.Sequential(mlp)
+        if config.num_classes is not None:
+            return nn.Embedding(config.num_classes, self.time_embed_dim)
+        return None
+
+    def _resblock(self, channels: int, out_channels: int) -> "ResBlock":
+        return ResBlock(channels, self.time_embed_dim, self.dropout, out_channels)
+
+    def _transformer(self, width: int, depth: int) -> SpatialTransformer:
+        heads, dim_head = self.config.heads(width)
+        return SpatialTransformer(
+            width,
+            heads,
+            dim_head,
+            depth=depth,
+            context_dim=self.config.context_dim,
+            dropout=self.dropout,
+            use_linear=self.config.use_linear_in_transformer,
+            **self._attention,
         )
-        skip_channels = [model_channels]
-        width, factor = model_channels, 1
-        for level, mult in enumerate(channel_mult):
-            for _ in range(num_res_blocks):
-                layers = [ResBlock(width, time_embed_dim, dropout, model_channels * mult)]
-                width = model_channels * mult
-                if factor in attention_resolutions:
-                    layers.append(transformer(width, transformer_depth[level]))
-                self.input_blocks.append(TimestepEmbedSequential(*layers))
+
+    def _input_blocks(self) -> tuple[nn.ModuleList, list[int]]:
+        """The way down, and the channels of each block's output (the skips)."""
+        config = self.config
+        width = config.model_channels
+        blocks = nn.ModuleList(
+            [TimestepEmbedSequential(nn.Conv2d(config.in_channels, width, 3, padding=1))]
+        )
+        skip_channels, factor = [width], 1
+        for level, mult in enumerate(config.channel_mult):
+            for _ in range(config.num_res_blocks):
+                layers = [self._resblock(width, config.model_channels * mult)]
+                width = config.model_channels * mult
+                if factor in config.attention_resolutions:
+                    layers.append(self._transformer(width, config.depth(level)))
+                blocks.append(TimestepEmbedSequential(*layers))
                 skip_channels.append(width)
-            if level != len(channel_mult) - 1:
-                self.input_blocks.append(TimestepEmbedSequential(Downsample(width)))
+            if level != len(config.channel_mult) - 1:
+                blocks.append(TimestepEmbedSequential(Downsample(width)))
                 skip_channels.append(width)
                 factor *= 2
+        return blocks, skip_channels
 
-        self.middle_block = TimestepEmbedSequential(
-            ResBlock(width, time_embed_dim, dropout, width),
-            transformer(width, transformer_depth_middle),
-            ResBlock(width, time_embed_dim, dropout, width),
+    def _middle_block(self, width: int) -> "TimestepEmbedSequential":
+        return TimestepEmbedSequential(
+            self._resblock(width, width),
+            self._transformer(width, self.config.middle_depth),
+            self._resblock(width, width),
         )
 
-        self.output_blocks = nn.ModuleList()
-        for level, mult in reversed(list(enumerate(channel_mult))):
-            for i in range(num_res_blocks + 1):
-                skip = skip_channels.pop()
-                layers = [ResBlock(width + skip, time_embed_dim, dropout, model_channels * mult)]
-                width = model_channels * mult
-                if factor in attention_resolutions:
-                    layers.append(transformer(width, transformer_depth[level]))
-                if level and i == num_res_blocks:
+    def _output_blocks(self, skip_channels: list[int]) -> nn.ModuleList:
+        """The way up: each block takes its mirrored skip (popped from `skip_channels`)."""
+        config = self.config
+        width, factor = skip_channels[-1], self.size_multiple
+        blocks = nn.ModuleList()
+        for level, mult in reversed(list(enumerate(config.channel_mult))):
+            for i in range(config.num_res_blocks + 1):
+                layers = [self._resblock(width + skip_channels.pop(), config.model_channels * mult)]
+                width = config.model_channels * mult
+                if factor in config.attention_resolutions:
+                    layers.append(self._transformer(width, config.depth(level)))
+                if level and i == config.num_res_blocks:
                     layers.append(Upsample(width))
                     factor //= 2
-                self.output_blocks.append(TimestepEmbedSequential(*layers))
+                blocks.append(TimestepEmbedSequential(*layers))
+        return blocks
 
-        self.out = nn.Sequential(
-            group_norm(width),
-            nn.SiLU(),
-            zero_init(nn.Conv2d(model_channels, out_channels, 3, padding=1)),
-        )
+    # --- running ---------------------------------------------------------------------------------
 
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Turn gradient checkpointing of the UNet blocks on or off (training only)."""
@@ -353,3 +419,119 @@ class UNetModel(nn.Module):
             h = torch.cat([h, skips.pop()], dim=1)  # (B, C + C_skip, H / f, W / f)
             h = self._run(block, h, emb, context)
         return self.out(h)  # (B, out_channels, H, W)
+
+
+class UNetModel(UNet):
+    """The original CompVis / sgm `openaimodel.UNetModel`: its `unet_config.params` unchanged
+    (the layout names are `UNetConfig`'s, the rest are `UNet`'s options).
+
+    use_spatial_transformer must be True (the text-conditioned UNet); use_fp16 is accepted and
+    unused: precision comes from the trainer (Lightning `precision: 16-mixed / bf16-mixed`).
+    """
+
+    def __init__(
+        self,
+        *,
+        in_channels: int,
+        out_channels: int,
+        model_channels: int,
+        attention_resolutions: Sequence[int],
+        num_res_blocks: int,
+        channel_mult: Sequence[int],
+        num_heads: int = -1,
+        num_head_channels: int = -1,
+        use_spatial_transformer: bool = True,
+        use_linear_in_transformer: bool = False,
+        transformer_depth: int | Sequence[int] = 1,
+        transformer_depth_middle: int | None = None,
+        context_dim: int | None = None,
+        use_checkpoint: bool = False,
+        use_fp16: bool = False,
+        legacy: bool = False,
+        dropout: float = 0.0,
+        attention_backend: str = "sdpa",
+        upcast_attention: bool = False,
+        num_classes: int | str | None = None,
+        adm_in_channels: int | None = None,
+        image_size: int | None = None,
+    ):
+        if not use_spatial_transformer:
+            raise ValueError(
+                "use_spatial_transformer=False (ADM self-attention UNet) is not supported"
+            )
+        layout = UNetConfig(
+            model_channels=model_channels,
+            channel_mult=channel_mult,
+            num_res_blocks=num_res_blocks,
+            attention_resolutions=attention_resolutions,
+            transformer_depth=transformer_depth,
+            transformer_depth_middle=transformer_depth_middle,
+            num_heads=num_heads,
+            num_head_channels=num_head_channels,
+            legacy=legacy,
+            use_linear_in_transformer=use_linear_in_transformer,
+            context_dim=context_dim,
+            in_channels=in_channels,
+            out_channels=out_channels,
+            num_classes=num_classes,
+            adm_in_channels=adm_in_channels,
+            image_size=image_size,
+        )
+        super().__init__(
+            layout,
+            dropout=dropout,
+            attention_backend=attention_backend,
+            upcast_attention=upcast_attention,
+            use_checkpoint=use_checkpoint,
+        )
+
+
+# --- presets: the released models' layouts (their original configs' unet_config) -------------
+
+# SD 1.x (CompVis v1-inference.yaml): CLIP ViT-L/14 context, 8 heads.
+SD15 = UNetConfig(
+    model_channels=320,
+    channel_mult=(1, 2, 4, 4),
+    num_res_blocks=2,
+    attention_resolutions=(4, 2, 1),
+    num_heads=8,
+    context_dim=768,
+    image_size=64,
+)
+# SD 2.x (Stability-AI v2-inference.yaml): OpenCLIP ViT-H/14 context, 64-channel heads, linear
+# proj_in / proj_out. The 768 px v-model is the same layout at image_size 96.
+SD2 = replace(
+    SD15,
+    num_heads=-1,
+    num_head_channels=64,
+    use_linear_in_transformer=True,
+    context_dim=1024,
+)
+# SDXL base (sgm sd_xl_base.yaml; Podell et al. 2023, sec. 2.1): 3 levels, no attention at the
+# highest resolution, transformer depth [1, 2, 10], CLIP-L + bigG context (768 + 1280), a 2816-wide
+# vector (pooled text + size / crop), trained at 1024 px (128 latent pixels).
+SDXL = replace(
+    SD2,
+    channel_mult=(1, 2, 4),
+    attention_resolutions=(4, 2),
+    transformer_depth=(1, 2, 10),
+    context_dim=2048,
+    num_classes="sequential",
+    adm_in_channels=2816,
+    image_size=128,
+)
+
+
+def sd15(image_size: int = 64, **options) -> UNet:
+    """The SD 1.x UNet (`options`: UNet's dropout, attention_backend, use_checkpoint, ...)."""
+    return UNet(replace(SD15, image_size=image_size), **options)
+
+
+def sd2(image_size: int = 64, **options) -> UNet:
+    """The SD 2.x UNet (image_size 96 for the 768 px v-model)."""
+    return UNet(replace(SD2, image_size=image_size), **options)
+
+
+def sdxl(image_size: int = 128, **options) -> UNet:
+    """The SDXL base UNet."""
+    return UNet(replace(SDXL, image_size=image_size), **options)

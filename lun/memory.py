@@ -45,8 +45,10 @@ from pathlib import Path
 import psutil
 import torch
 
+from lun import strategies
 from lun.config import ConfigError
 from lun.memory_probe import measure_activations, probe_batch
+from lun.strategies import Sharding
 
 GiB = 2**30
 DEVICE, HOST = "device", "host"
@@ -289,65 +291,12 @@ class Precision:
         return t.dtype
 
 
-def _precision(trainer) -> Precision:
+def _precision(trainer, sharding: Sharding) -> Precision:
     name = str(trainer.precision)
     half = {"bf16": torch.bfloat16, "16": torch.float16}.get(name.split("-")[0])
     true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}
-    deepspeed = hasattr(trainer.strategy, "zero_stage_3")
-    return Precision(true_dtype.get(name), deepspeed and name.endswith("-mixed"), half)
-
-
-@dataclass
-class Sharding:
-    """How many ranks share each part, and what lives in host RAM (offloading)."""
-
-    weights: int = 1
-    gradients: int = 1
-    optimizer: int = 1
-    optimizer_on_host: bool = False
-    weights_on_host: bool = False
-    buckets: int = 0  # DeepSpeed's gradient reduction buffers, values
-    full_state_dict_gather: bool = False  # FSDP writes a full checkpoint gathered on rank 0
-    name: str = "single device"
-
-
-def _sharding(strategy, world: int, local: int) -> Sharding:
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
-    if isinstance(strategy, DeepSpeedStrategy):
-        zero = (strategy.config or {}).get("zero_optimization") or {}
-        stage = int(zero.get("stage", 0))
-        offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
-        offload_params = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
-        buckets = 0
-        if stage in (1, 2) and zero.get("contiguous_gradients"):
-            # Gradient reduction buffers of `reduce_bucket_size` values, two with overlap_comm
-            # (deepspeed.runtime.zero.stage_1_and_2 `setup_buckets`): whatever the model's size.
-            copies = 2 if zero.get("overlap_comm") else 1
-            buckets = int(zero.get("reduce_bucket_size", 0)) * copies
-        return Sharding(
-            weights=world if stage >= 3 else 1,
-            gradients=world if stage >= 2 else 1,
-            optimizer=world if stage >= 1 else 1,
-            optimizer_on_host=offload,
-            weights_on_host=offload_params,
-            buckets=buckets,
-            name=f"DeepSpeed ZeRO-{stage}" + (" + optimizer offload" if offload else ""),
-        )
-    if isinstance(strategy, FSDPStrategy):
-        kind = getattr(strategy.sharding_strategy, "name", str(strategy.sharding_strategy))
-        shards = {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "HYBRID_SHARD": local}.get(kind, 1)
-        offload = bool(getattr(strategy.cpu_offload, "offload_params", False))
-        return Sharding(
-            weights=shards if kind in ("FULL_SHARD", "HYBRID_SHARD") else 1,
-            gradients=shards,
-            optimizer=shards,
-            optimizer_on_host=offload,
-            weights_on_host=offload,
-            full_state_dict_gather=getattr(strategy, "_state_dict_type", "full") == "full",
-            name=f"FSDP {kind}" + (" + CPU offload" if offload else ""),
-        )
-    return Sharding(name="DDP" if world > 1 else "single device")
+    master = sharding.half_weights_with_master and name.endswith("-mixed")
+    return Precision(true_dtype.get(name), master, half)
 
 
 def _optimizers(configured) -> list[torch.optim.Optimizer]:
@@ -509,8 +458,8 @@ def memory_plan(
     device = trainer.strategy.root_device
     world = trainer.num_devices * trainer.num_nodes
     local = trainer.num_devices
-    precision = _precision(trainer)
-    sharding = _sharding(trainer.strategy, world, local)
+    sharding = strategies.sharding(trainer.strategy, world, local)
+    precision = _precision(trainer, sharding)
     trainable = _unique(p for p in model.parameters() if p.requires_grad)
     trainable_ids = {id(p) for p in trainable}
 

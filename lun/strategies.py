@@ -30,6 +30,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,47 @@ FSDP_TARGETS = {
 # What a callback stores in a checkpoint's state dict besides the module's own entries; kept
 # under this key in DeepSpeed's client state (its engine saves the module weights itself).
 CALLBACK_STATE_KEY = "lun_callback_state_dict"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a strategy divides each rank's training state (what the memory plan asks for).
+
+    weights / gradients / optimizer: how many ranks share that part (1: a full copy on every
+    rank; a rank holds 1/n of it). The ZeRO paper's three stages are exactly these three
+    switches (Rajbhandari et al. 2020, sec. 5 and fig. 1).
+    """
+
+    weights: int = 1
+    gradients: int = 1
+    optimizer: int = 1
+    optimizer_on_host: bool = False
+    weights_on_host: bool = False
+    buckets: int = 0  # DeepSpeed's gradient reduction buffers, values
+    full_state_dict_gather: bool = False  # FSDP writes a full checkpoint gathered on rank 0
+    half_weights_with_master: bool = (
+        False  # DeepSpeed mixed precision: 16-bit weights + fp32 master
+    )
+    name: str = "single device"
+
+    @property
+    def gathers_weights_per_block(self) -> bool:
+        """Sharded weights are all-gathered unit by unit for its forward and backward."""
+        return self.weights > 1
+
+
+def sharding(strategy: Strategy | str, world: int, local: int) -> Sharding:
+    """How `strategy` shards over `world` ranks, `local` of them on one machine.
+
+    The adapters below report it themselves; Lightning's own DeepSpeed / FSDP classes (a
+    subclass named by `target:`) hold the same settings and read the same way. Every other
+    strategy (DDP and friends, one device) keeps full copies on each rank.
+    """
+    if isinstance(strategy, LightningDeepSpeedStrategy):
+        return DeepSpeedStrategy.sharding(strategy, world, local)
+    if isinstance(strategy, LightningFSDPStrategy):
+        return FSDPStrategy.sharding(strategy, world, local)
+    return Sharding(name="DDP" if world > 1 else "single device")
 
 
 def build_strategy(
@@ -152,6 +194,29 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
             # Offloading with the model's own torch optimizer (AdamW) is allowed; DeepSpeed
             # refuses it by default to push its faster DeepSpeedCPUAdam, which a config may name.
             self.config.setdefault("zero_force_ds_cpu_optimizer", False)
+
+    def sharding(self, world: int, local: int) -> Sharding:
+        """ZeRO stage 1 shards the optimizer state, 2 also the gradients, 3 also the weights."""
+        zero = (self.config or {}).get("zero_optimization") or {}
+        stage = int(zero.get("stage", 0))
+        offload = (zero.get("offload_optimizer") or {}).get("device") in ("cpu", "nvme")
+        offload_params = (zero.get("offload_param") or {}).get("device") in ("cpu", "nvme")
+        buckets = 0
+        if stage in (1, 2) and zero.get("contiguous_gradients"):
+            # Gradient reduction buffers of `reduce_bucket_size` values, two with overlap_comm
+            # (deepspeed.runtime.zero.stage_1_and_2 `setup_buckets`): whatever the model's size.
+            copies = 2 if zero.get("overlap_comm") else 1
+            buckets = int(zero.get("reduce_bucket_size", 0)) * copies
+        return Sharding(
+            weights=world if stage >= 3 else 1,
+            gradients=world if stage >= 2 else 1,
+            optimizer=world if stage >= 1 else 1,
+            optimizer_on_host=offload,
+            weights_on_host=offload_params,
+            buckets=buckets,
+            half_weights_with_master=True,
+            name=f"DeepSpeed ZeRO-{stage}" + (" + optimizer offload" if offload else ""),
+        )
 
     @property
     def _on_cpu(self) -> bool:
@@ -394,6 +459,23 @@ class FSDPStrategy(LightningFSDPStrategy):
         # The frozen VAE and text encoder can share a unit with the trainable UNet.
         kwargs.setdefault("use_orig_params", True)
         super().__init__(*args, **kwargs)
+
+    def sharding(self, world: int, local: int) -> Sharding:
+        """FULL_SHARD shards all three parts over every rank, HYBRID_SHARD over the ranks of one
+        machine, SHARD_GRAD_OP gradients and optimizer state only, NO_SHARD nothing (torch FSDP's
+        ShardingStrategy)."""
+        kind = getattr(self.sharding_strategy, "name", str(self.sharding_strategy))
+        shards = {"FULL_SHARD": world, "SHARD_GRAD_OP": world, "HYBRID_SHARD": local}.get(kind, 1)
+        offload = bool(getattr(self.cpu_offload, "offload_params", False))
+        return Sharding(
+            weights=shards if kind in ("FULL_SHARD", "HYBRID_SHARD") else 1,
+            gradients=shards,
+            optimizer=shards,
+            optimizer_on_host=offload,
+            weights_on_host=offload,
+            full_state_dict_gather=getattr(self, "_state_dict_type", "full") == "full",
+            name=f"FSDP {kind}" + (" + CPU offload" if offload else ""),
+        )
 
     @property
     def _on_cpu(self) -> bool:

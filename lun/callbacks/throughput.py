@@ -77,6 +77,15 @@ def table_peak_flops(device_name: str, dtype: str) -> float | None:
     return None
 
 
+def _step_ends_at_backward(pl_module) -> bool:
+    """Whether a training step's counted work ends with its backward: true under Lightning's
+    automatic optimization (one backward per step); a manually optimised module (the VAE's
+    generator and discriminator updates) may run more after a backward, so it is counted to the
+    end of the batch. The one place that reads the module's optimisation mode (until the model
+    contract states it)."""
+    return pl_module.automatic_optimization
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -326,7 +335,7 @@ class Throughput(Callback):
         self._start = time.perf_counter()
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        if pl_module.automatic_optimization:  # manual optimization may go on: batch end
+        if _step_ends_at_backward(pl_module):
             self._stop_counting()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

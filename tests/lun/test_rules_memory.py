@@ -21,8 +21,8 @@ import pytest
 import torch
 from torch import nn
 
-from lun.memory import _sharding, memory_plan
-from lun.strategies import DeepSpeedStrategy, FSDPStrategy
+from lun.memory import memory_plan
+from lun.strategies import DeepSpeedStrategy, FSDPStrategy, sharding
 
 N = 64 * 32 + 32  # trainable values: nn.Linear(64, 32)
 RANKS = 2
@@ -137,8 +137,8 @@ def test_eight_bit_adamw_state_by_hand():
 def test_offload_puts_exactly_the_offloaded_parts_in_host_ram(
     make, optimizer_on_host, weights_on_host
 ):
-    sharding = _sharding(make(), RANKS, RANKS)
-    assert (sharding.optimizer_on_host, sharding.weights_on_host) == (
+    report = sharding(make(), RANKS, RANKS)
+    assert (report.optimizer_on_host, report.weights_on_host) == (
         optimizer_on_host,
         weights_on_host,
     )
@@ -146,9 +146,25 @@ def test_offload_puts_exactly_the_offloaded_parts_in_host_ram(
 
 def test_hybrid_shard_divides_among_the_ranks_of_one_machine():
     """FSDP HYBRID_SHARD: full shards within a node, replicas across nodes (4 ranks, 2 a node)."""
-    sharding = _sharding(
+    report = sharding(
         FSDPStrategy(sharding_strategy="HYBRID_SHARD", auto_wrap_policy={nn.Linear}),
         world=4,
         local=2,
     )
-    assert (sharding.weights, sharding.gradients, sharding.optimizer) == (2, 2, 2)
+    assert (report.weights, report.gradients, report.optimizer) == (2, 2, 2)
+
+
+def test_lightning_classes_named_by_target_shard_as_the_adapters():
+    """A `target:` naming Lightning's own DeepSpeed / FSDP class (or a subclass) holds the same
+    settings: ZeRO-2 shards gradients and optimizer state, FULL_SHARD all three."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
+    from lightning.pytorch.strategies import FSDPStrategy as LightningFSDP
+
+    def parts(strategy):
+        report = sharding(strategy, world=RANKS, local=RANKS)
+        return report.weights, report.gradients, report.optimizer
+
+    assert parts(LightningDeepSpeed(stage=2)) == (1, RANKS, RANKS)
+    assert parts(LightningFSDP(sharding_strategy="FULL_SHARD")) == (RANKS, RANKS, RANKS)
+    assert parts(DDPStrategy()) == (1, 1, 1)

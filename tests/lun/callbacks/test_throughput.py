@@ -67,6 +67,30 @@ def test_flops_per_image_of_a_linear_model_are_the_hand_count(fit):
     assert throughput.flops_per_image == {(("x", (16,)), ("y", (8,))): forward + backward}
 
 
+class TwoUpdates(TwoLinear):
+    """Manual optimization with two backward passes a step (as the VAE's generator and
+    discriminator updates)."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        for _ in range(2):
+            optimizer.zero_grad()
+            self.manual_backward(F.mse_loss(self.net(batch["x"]), batch["y"]))
+            optimizer.step()
+
+
+def test_a_manually_optimised_step_is_counted_to_its_last_backward(fit):
+    throughput = Throughput(peak_flops=PEAK)
+    fit(TwoUpdates(), [throughput], DataLoader(Vectors(), batch_size=4), max_steps=3)
+    forward = 2 * 16 * 32 + 2 * 32 * 8  # the hand count of the test above, twice a step
+    backward = 2 * 16 * 32 + 2 * (2 * 32 * 8)
+    assert throughput.flops_per_image == {(("x", (16,)), ("y", (8,))): 2 * (forward + backward)}
+
+
 def test_the_counted_step_computes_bit_for_bit_what_an_uncounted_one_does():
     """A resumed run counts its first step again: counting must not change a single bit.
     (FlopCounterMode would: it decomposes silu_backward, and here rounds differently.)"""
