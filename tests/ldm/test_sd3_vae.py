@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from ldm.autoencoder import AutoencoderKL
-from ldm.layout import diffusers_vae
+from ldm.layout import diffusers_vae, family
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = json.loads((ROOT / "tests" / "reference" / "sd3_vae_keys.json").read_text())
@@ -199,3 +199,47 @@ def test_without_quant_conv_the_latent_is_z_channels(params, message):
         return
     with pytest.raises(ValueError, match=message):
         AutoencoderKL(TINY_DD, use_quant_conv=False, **params)
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sd_v1_keys", family.VAE4),
+        ("sd_v2_base_keys", family.VAE4),
+        ("sdxl_base_keys", family.VAE4),
+        ("sd3_vae_keys", family.VAE16),
+        ("dit_xl2_256_keys", None),
+    ],
+)
+def test_the_released_files_vae_kind(name, kind):
+    keys = json.loads((ROOT / "tests" / "reference" / f"{name}.json").read_text())["keys"]
+    assert family.vae_kind(keys) == kind
+    if kind is not None:  # a VAE file alone (bare names) and its diffusers names: the same kind
+        bare = {k.removeprefix(PREFIX): v for k, v in keys.items() if k.startswith(PREFIX)}
+        assert family.vae_kind(bare) == kind
+        shapes = {k: torch.empty(v, device="meta") for k, v in bare.items()}
+        assert family.vae_kind(diffusers_vae.to_diffusers(shapes)) == kind
+
+
+@pytest.mark.parametrize("vae_kind, model_kind", [("sd3", "sd"), ("sd", "sd3")])
+def test_swap_vae_refuses_the_other_kind_in_one_line(tmp_path, capsys, vae_kind, model_kind):
+    from swap_vae import main as swap_vae
+
+    from ldm.checkpoint import save_safetensors
+
+    def vae(kind):
+        torch.manual_seed(0)
+        dd = TINY_DD if kind == "sd3" else {**TINY_DD, "z_channels": 4}
+        return AutoencoderKL(dd, dd["z_channels"], use_quant_conv=kind == "sd").state_dict()
+
+    save_safetensors(vae(vae_kind), tmp_path / "vae.safetensors")
+    model = {PREFIX + k: v for k, v in vae(model_kind).items()}
+    save_safetensors(
+        {**model, "model.diffusion_model.x": torch.zeros(1)}, tmp_path / "m.safetensors"
+    )
+    argv = ["--vae", tmp_path / "vae.safetensors", "--ckpt", tmp_path / "m.safetensors"]
+    assert swap_vae([str(a) for a in argv + ["--out", tmp_path / "out.safetensors"]]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    found = family.VAE16 if vae_kind == "sd3" else family.VAE4
+    assert f"--vae holds {found}" in line and str(tmp_path / "m.safetensors") in line
+    assert not (tmp_path / "out.safetensors").exists()
