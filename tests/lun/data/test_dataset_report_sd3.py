@@ -64,31 +64,27 @@ def tokens_of(report) -> dict:
 
 @pytest.mark.slow  # the first to import transformers' tokenizers and build CLIP's BPE one
 def test_t5_lengths_and_captions_over_256_beside_clip(captioned, t5_folder):
+    """configs/sd3's shape: SD3Conditioner's t5xxl names its tokenizer folder, t5_tokens 256."""
     conditioner = {
         "target": "ldm.conditioning_sd3.SD3Conditioner",
-        "params": {
-            "clip_l": {"target": "ldm.text_encoder.FrozenCLIPEmbedder"},
-            "t5xxl": {
-                "target": "ldm.text_encoder_t5.FrozenT5Embedder",
-                "params": {"version": str(t5_folder)},
-            },
-        },
+        "params": {"t5_tokens": 256, "t5xxl": {"tokenizer": str(t5_folder)}},
     }
     report = build_report(config(captioned, conditioner), progress=quiet)
     found = tokens_of(report)
-    clip = found["model.params.conditioner_config.params.clip_l (FrozenCLIPEmbedder)"]
-    t5 = found["model.params.conditioner_config.params.t5xxl (FrozenT5Embedder)"]
-    assert clip["max_length"] == 77
+    where = "model.params.conditioner_config"
+    for clip in ("clip_l", "clip_g"):
+        assert found[f"{where}.params.{clip} (CLIP)"]["max_length"] == 77
+    t5 = found[f"{where} (FrozenT5Embedder)"]
     assert t5["max_length"] == 256
     assert sorted(t5["lengths"]) == [w + 1 for w in WORDS]  # the words and T5's </s>
     assert t5["truncated"] == 2  # 257 and 301 tokens; 256 fits
     assert "2 over 256 (truncated)" in summary({**report, "config": "sd3.yaml"})
 
 
-def test_a_conditioner_naming_its_t5_folder_and_limit(captioned, t5_folder):
+def test_a_t5_encoder_with_its_own_folder_and_limit(captioned, t5_folder):
     conditioner = {
-        "target": "ldm.conditioning_sd3.SD3Conditioner",
-        "params": {"t5_version": str(t5_folder), "t5_max_length": 4},
+        "target": "ldm.text_encoder_t5.FrozenT5Embedder",
+        "params": {"version": str(t5_folder), "max_length": 4},
     }
     (t5,) = tokens_of(build_report(config(captioned, conditioner), progress=quiet)).values()
     assert t5["max_length"] == 4 and t5["truncated"] == 3  # only the 3-word caption fits
@@ -96,11 +92,14 @@ def test_a_conditioner_naming_its_t5_folder_and_limit(captioned, t5_folder):
 
 def test_a_missing_t5_folder_is_said_and_the_report_goes_on(captioned, tmp_path):
     conditioner = {
-        "target": "ldm.text_encoder_t5.FrozenT5Embedder",
-        "params": {"version": str(tmp_path / "no-t5")},
+        "target": "ldm.conditioning_sd3.SD3Conditioner",
+        "params": {"t5xxl": {"tokenizer": str(tmp_path / "no-t5")}},
     }
     report = build_report(config(captioned, conditioner), progress=quiet)
-    (t5,) = tokens_of(report).values()
-    assert "model.params.conditioner_config.params.version" in t5["error"]
+    t5 = tokens_of(report)["model.params.conditioner_config (FrozenT5Embedder)"]
+    assert "model.params.conditioner_config.params.t5xxl.tokenizer" in t5["error"]
     assert "no-t5" in t5["error"]
     assert report["splits"][0]["counts"]["usable"] == len(WORDS)
+    without = {"target": "ldm.conditioning_sd3.SD3Conditioner", "params": {"t5xxl": None}}
+    found = tokens_of(build_report(config(captioned, without), progress=quiet))
+    assert not [name for name in found if "T5" in name]  # no T5: CLIP's counts only
