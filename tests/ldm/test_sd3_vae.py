@@ -243,3 +243,16 @@ def test_swap_vae_refuses_the_other_kind_in_one_line(tmp_path, capsys, vae_kind,
     found = family.VAE16 if vae_kind == "sd3" else family.VAE4
     assert f"--vae holds {found}" in line and str(tmp_path / "m.safetensors") in line
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_a_first_stage_of_the_other_kind_is_named_before_loading(tmp_path):
+    """An SD config's first stage given SD3's VAE file (first_stage_config.params.ckpt_path)."""
+    from ldm.checkpoint import WrongFileError, save_safetensors
+
+    save_safetensors(tiny_sd3_vae().state_dict(), tmp_path / "sd3_vae.safetensors")
+    with pytest.raises(WrongFileError) as err:
+        AutoencoderKL({**TINY_DD, "z_channels": 4}, 4, ckpt_path=tmp_path / "sd3_vae.safetensors")
+    (line,) = str(err.value).splitlines()
+    assert line.startswith(f"first_stage_config.params.ckpt_path {tmp_path}/sd3_vae.safetensors")
+    assert f"holds {family.VAE16}, but the config builds {family.VAE4}" in line
+    AutoencoderKL(TINY_DD, 16, use_quant_conv=False, ckpt_path=tmp_path / "sd3_vae.safetensors")
