@@ -3,7 +3,9 @@
 Parameter names follow the original CompVis `ldm.modules.diffusionmodules.model` /
 `ldm.models.autoencoder` exactly (`encoder.down.N.block.M.conv1`, `decoder.up.N.upsample.conv`,
 `quant_conv`, ...), so the `first_stage_model.*` weights of every SD v1/v2 checkpoint load with
-`strict=True`. This is the VAE as a diffusion model's first stage; training it (loss,
+`strict=True`. SD 3/3.5's VAE (Esser et al. 2024, arXiv:2403.03206, Sec. 5.2.1: 16 latent channels)
+is the same network without `quant_conv` / `post_quant_conv` (`use_quant_conv: false`), as
+Stability's `sd3_impls.SDVAE` builds it: its `first_stage_model.*` weights load the same way. This is the VAE as a diffusion model's first stage; training it (loss,
 discriminator, optimizers) is `ldm.autoencoder_training.AutoencoderKLTraining`.
 """
 
@@ -271,7 +273,8 @@ class AutoencoderKL(nn.Module):
             `num_res_blocks`, `attn_resolutions` (resolutions, counted from `resolution`, whose
             levels attend; [] in SD), `dropout`, `in_channels`, `out_ch`, `resolution`,
             `z_channels`, `double_z` (must be true: mean and log-variance), `attn_type`.
-        embed_dim: latent channels after `quant_conv` (4 in SD).
+        embed_dim: latent channels after `quant_conv` (4 in SD; 16 in SD3, where it must equal
+            `z_channels`: there is no `quant_conv`).
         lossconfig: only `torch.nn.Identity` (or None): this module is not trained (see
             `ldm.autoencoder_training` for the trainable one).
         ckpt_path: optional weights file (`.safetensors` / `.ckpt`) holding this VAE, bare or
@@ -281,7 +284,11 @@ class AutoencoderKL(nn.Module):
         scale_factor, shift_factor: the latent geometry this VAE was made with: the diffusion
             model's latents are (z - shift_factor) * scale_factor (diffusers' `scaling_factor`
             and `shift_factor`; SD3's VAE: 1.5305 and 0.0609). None: the diffusion model says.
+        use_quant_conv: the 1x1 `quant_conv` / `post_quant_conv` around the latent (SD 1.x, 2.x,
+            SDXL); false for SD 3/3.5 (and Flux), whose encoder writes the moments directly.
     """
+
+    CKPT_PATH_KEY = "first_stage_config.params.ckpt_path"  # its name in messages
 
     def __init__(
         self,
@@ -294,10 +301,16 @@ class AutoencoderKL(nn.Module):
         image_key: str = "image",
         scale_factor: float | None = None,
         shift_factor: float = 0.0,
+        use_quant_conv: bool = True,
     ):
         super().__init__()
         self.scale_factor, self.shift_factor = scale_factor, shift_factor
         ddconfig = _checked_ddconfig(ddconfig)
+        if not use_quant_conv and embed_dim != ddconfig["z_channels"]:
+            raise ValueError(
+                f"first_stage_config.params.embed_dim={embed_dim}: without quant_conv "
+                f"(use_quant_conv: false) it must equal ddconfig.z_channels={ddconfig['z_channels']}"
+            )
         loss_target = None if lossconfig is None else lossconfig.get("target")
         if loss_target not in IDENTITY_LOSSES:
             raise ValueError(
@@ -309,8 +322,10 @@ class AutoencoderKL(nn.Module):
         shared = {k: ddconfig[k] for k in SHARED_DDCONFIG_KEYS}
         self.encoder = Encoder(in_channels=ddconfig["in_channels"], **shared)
         self.decoder = Decoder(out_ch=ddconfig["out_ch"], **shared)
-        self.quant_conv = nn.Conv2d(2 * z_channels, 2 * embed_dim, 1)
-        self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
+        self.use_quant_conv = use_quant_conv
+        if use_quant_conv:
+            self.quant_conv = nn.Conv2d(2 * z_channels, 2 * embed_dim, 1)
+            self.post_quant_conv = nn.Conv2d(embed_dim, z_channels, 1)
         self.embed_dim = embed_dim
         # Geometry LatentDiffusion asks for: latent channels and the downsampling factor.
         self.latent_channels = embed_dim
@@ -318,14 +333,35 @@ class AutoencoderKL(nn.Module):
         if ckpt_path is not None:
             from ldm.checkpoint import load_first_stage  # the one weight-layout layer
 
+            self.check_weights_file(ckpt_path, self.CKPT_PATH_KEY)
             load_first_stage(self, ckpt_path, ignore_keys)
 
+    def check_weights_file(self, path, what: str) -> None:
+        """A VAE of the other kind (`ldm.layout.family.vae_kind`: SD's 4-channel VAE with
+        quant_conv, SD3's 16-channel one without) is one line naming both, before loading."""
+        from ldm.checkpoint import WrongFileError
+        from ldm.layout import family
+
+        found = family.vae_kind(family.file_keys(path))
+        expected = family.vae_kind(self.state_dict().keys())
+        if found is not None and found != expected:
+            raise WrongFileError(
+                f"{what} {path} holds {found}, but the config builds {expected}; give "
+                f"{family.VAE_KIND_FILES[expected]}, or the config of {found}"
+            )
+
+    def moments(self, x: torch.Tensor) -> torch.Tensor:
+        """The posterior's stacked mean and log-variance (B, 2*embed_dim, H/f, W/f)."""
+        moments = self.encoder(x)  # (B, 2*z_channels, H/f, W/f)
+        return self.quant_conv(moments) if self.use_quant_conv else moments
+
     def encode(self, x: torch.Tensor) -> DiagonalGaussianDistribution:
-        moments = self.quant_conv(self.encoder(x))  # (B, 2*embed_dim, H/f, W/f)
-        return DiagonalGaussianDistribution(moments)
+        return DiagonalGaussianDistribution(self.moments(x))
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.post_quant_conv(z))  # (B, out_ch, h*f, w*f)
+        if self.use_quant_conv:
+            z = self.post_quant_conv(z)  # (B, z_channels, h, w)
+        return self.decoder(z)  # (B, out_ch, h*f, w*f)
 
     def forward(
         self,

@@ -31,6 +31,7 @@ from ldm.autoencoder import AutoencoderKL, DiagonalGaussianDistribution
 from ldm.layout.ema import drop_ema_shadows
 from ldm.util import instantiate_from_config
 
+# The 1x1 convs are absent from SD3's VAE (use_quant_conv: false): parts a VAE lacks are skipped.
 GENERATOR_PARTS = ("encoder", "decoder", "quant_conv", "post_quant_conv")
 FROZEN_BY_DECODER_ONLY = ("encoder", "quant_conv")
 LPIPS_PREFIX = "loss.perceptual_loss."  # a fixed metric: never saved, never loaded
@@ -41,7 +42,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
     """The KL autoencoder with its GAN training recipe, as a LightningModule.
 
     Args:
-        ddconfig, embed_dim, ckpt_path, ignore_keys, image_key: as `ldm.autoencoder.AutoencoderKL`
+        ddconfig, embed_dim, ckpt_path, ignore_keys, image_key, use_quant_conv: as `ldm.autoencoder.AutoencoderKL`
             (`ckpt_path` may be an SD checkpoint, a VAE file or an original VAE training
             checkpoint; the VAE's weights are taken, strict).
         lossconfig: `{target: ldm.modules.losses.LPIPSWithDiscriminator (or
@@ -55,6 +56,8 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         monitor, colorize_nlabels, use_ema: accepted from the original configs (`use_ema` is
             read by the launcher, which adds the EMA callback).
     """
+
+    CKPT_PATH_KEY = "model.params.ckpt_path"  # its name in messages
 
     def __init__(
         self,
@@ -70,12 +73,15 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         monitor: str | None = None,
         colorize_nlabels: int | None = None,
         use_ema: bool = False,
+        use_quant_conv: bool = True,
     ):
         if ckpt_path is not None and not os.path.isfile(ckpt_path):
             raise ValueError(f"model.params.ckpt_path: {ckpt_path} does not exist")
         if colorize_nlabels is not None:
             raise ValueError("colorize_nlabels (segmentation autoencoders) is not supported")
-        super().__init__(ddconfig, embed_dim, None, ckpt_path, ignore_keys, monitor, image_key)
+        super().__init__(
+            ddconfig, embed_dim, None, ckpt_path, ignore_keys, monitor, image_key, use_quant_conv
+        )
         self.loss = instantiate_from_config(lossconfig)
         self.image_key, self.learning_rate = image_key, learning_rate
         self.adam_betas = tuple(adam_betas)
@@ -87,7 +93,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
         self._last_input: torch.Tensor | None = None  # conv_out's input in the latest forward
         self.decoder.conv_out.register_forward_hook(self._keep_last_input)
         if train_decoder_only:
-            for name in FROZEN_BY_DECODER_ONLY:
+            for name in self._parts(FROZEN_BY_DECODER_ONLY):
                 getattr(self, name).requires_grad_(False)
         self.automatic_optimization = False
         self._grad_scalers: list | None = None
@@ -100,9 +106,12 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
     def ema_module(self) -> nn.Module:
         """The generator (encoder, decoder, the two 1x1 convs): what EMA averages."""
         view = nn.Module()
-        for name in GENERATOR_PARTS:
+        for name in self._parts(GENERATOR_PARTS):
             setattr(view, name, getattr(self, name))
         return view
+
+    def _parts(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(n for n in names if hasattr(self, n))
 
     @property
     def default_image_size(self) -> int:
@@ -125,8 +134,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
     def encode(self, x: torch.Tensor) -> DiagonalGaussianDistribution:
         # The posterior in float32: under fp16 autocast exp(0.5 * logvar) and the sampled latent
         # would otherwise be half precision (logvar is clamped at 20: exp(10) ~ 2e4).
-        moments = self.quant_conv(self.encoder(x))  # (B, 2*embed_dim, H/f, W/f)
-        return DiagonalGaussianDistribution(moments.float())
+        return DiagonalGaussianDistribution(self.moments(x).float())
 
     def last_layer(self) -> torch.Tensor:
         """The decoder's last weight, where the adaptive GAN weight compares gradients."""
@@ -137,7 +145,7 @@ class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
 
     # --- training -----------------------------------------------------------------------------
     def configure_optimizers(self):
-        generator = [p for n in GENERATOR_PARTS for p in getattr(self, n).parameters()]
+        generator = [p for n in self._parts(GENERATOR_PARTS) for p in getattr(self, n).parameters()]
         generator = [p for p in generator if p.requires_grad]
         opt_g = torch.optim.Adam(generator, lr=self.learning_rate, betas=self.adam_betas)
         opt_d = torch.optim.Adam(

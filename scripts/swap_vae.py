@@ -14,6 +14,9 @@ Output is `.safetensors`. `--to-diffusers DIR` also writes a diffusers `Autoenco
 (config.json + diffusion_pytorch_model.safetensors, for `AutoencoderKL.from_pretrained(DIR)`):
 
     python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt --ema --to-diffusers myvae
+
+An SD 3/3.5 VAE (16 channels, no quant_conv) needs its latent geometry named for the diffusers
+config: `--scaling-factor 1.5305 --shift-factor 0.0609`.
 """
 
 from __future__ import annotations  # torch is imported after parsing: --help answers at once
@@ -57,9 +60,16 @@ def vae_weights(path: str, ema: bool = False, unsafe: bool = False) -> dict[str,
 
 def swap(diffusion: dict, vae: dict, what: str) -> dict:
     """`diffusion` with its `first_stage_model.*` replaced by `vae` (names and shapes must match)."""
+    from ldm.layout import family
     from ldm.layout.original import first_stage_key, first_stage_state, has_first_stage
 
     own = set(first_stage_state(diffusion)) if has_first_stage(diffusion) else set()
+    found, expected = family.vae_kind(vae), family.vae_kind(own)
+    if found != expected and None not in (found, expected):
+        raise ValueError(
+            f"--vae holds {found}, but --ckpt {what} holds {expected}; give "
+            f"{family.VAE_KIND_FILES[expected]} as --vae"
+        )
     if own != set(vae):
         missing, extra = sorted(own - set(vae)), sorted(set(vae) - own)
         raise ValueError(f"{what}: VAE names differ: missing {missing[:3]}, unexpected {extra[:3]}")
@@ -85,7 +95,12 @@ def main(argv=None) -> int:
         "--to-diffusers", metavar="DIR", help="write a diffusers AutoencoderKL folder"
     )
     parser.add_argument(
-        "--scaling-factor", type=float, default=0.18215, help="diffusers config (SDXL: 0.13025)"
+        "--scaling-factor",
+        type=float,
+        help="diffusers config (default 0.18215 for a 4-channel VAE; SDXL: 0.13025; SD3: 1.5305)",
+    )
+    parser.add_argument(
+        "--shift-factor", type=float, default=0.0, help="diffusers config (SD3: 0.0609)"
     )
     parser.add_argument("--size", type=int, default=512, help="diffusers config's sample_size")
     parser.add_argument("--ema", action="store_true", help="take the VAE's EMA weights")
@@ -114,6 +129,9 @@ def main(argv=None) -> int:
             state = swap(diffusion, vae, opt.ckpt)
         else:
             state = vae
+        scaling_factor = opt.scaling_factor
+        if opt.to_diffusers and scaling_factor is None:
+            scaling_factor = default_scaling_factor(vae, opt.vae)
     except (OSError, ValueError, KeyError) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
@@ -122,17 +140,33 @@ def main(argv=None) -> int:
         save_safetensors(state, opt.out, dtype=dtype)
         print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
     if opt.to_diffusers:
-        write_diffusers(vae, Path(opt.to_diffusers), dtype, opt.scaling_factor, opt.size)
+        write_diffusers(
+            vae, Path(opt.to_diffusers), dtype, scaling_factor, opt.size, opt.shift_factor
+        )
         print(f"wrote diffusers AutoencoderKL to {opt.to_diffusers}")
     return 0
 
 
-def write_diffusers(vae: dict, folder: Path, dtype, scaling_factor: float, size: int) -> None:
+def default_scaling_factor(vae: dict, path: str) -> float:
+    """SD's 0.18215 for a 4-channel VAE; a 16-channel one (SD3's, Flux's) must be told."""
+    from ldm.layout import family
+
+    if family.vae_kind(vae) == family.VAE16:
+        raise ValueError(
+            f"--vae {path} is {family.VAE16}: give --scaling-factor and --shift-factor for the "
+            "diffusers config (SD 3/3.5: --scaling-factor 1.5305 --shift-factor 0.0609)"
+        )
+    return 0.18215
+
+
+def write_diffusers(
+    vae: dict, folder: Path, dtype, scaling_factor: float, size: int, shift_factor: float = 0.0
+) -> None:
     """A diffusers `AutoencoderKL` folder, names by the layout layer's rule (no diffusers needed)."""
     from ldm.checkpoint import save_safetensors
     from ldm.layout import diffusers_vae
 
-    config = diffusers_vae.diffusers_config(vae, scaling_factor, size)
+    config = diffusers_vae.diffusers_config(vae, scaling_factor, size, shift_factor)
     folder.mkdir(parents=True, exist_ok=True)
     save_safetensors(
         diffusers_vae.to_diffusers(vae),

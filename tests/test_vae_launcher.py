@@ -44,9 +44,13 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
     ]
     start = None
     if "ckpt_path" in config.read_text():
-        dd = dict(double_z=True, z_channels=4, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2])
+        # A model file holding the config's kind of VAE (SD3's: 16 channels, no quant_conv).
+        params = OmegaConf.load(config).model.params
+        z = params.ddconfig.z_channels
+        dd = dict(double_z=True, z_channels=z, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2])
         dd |= dict(num_res_blocks=1, attn_resolutions=[], dropout=0.0, resolution=32)
-        start = {f"first_stage_model.{k}": v for k, v in AutoencoderKL(dd, 4).state_dict().items()}
+        vae = AutoencoderKL(dd, params.embed_dim, use_quant_conv=params.get("use_quant_conv", True))
+        start = {f"first_stage_model.{k}": v for k, v in vae.state_dict().items()}
         save_file(start, tmp_path / "sd.safetensors")
         overrides.append(f"model.params.ckpt_path={tmp_path / 'sd.safetensors'}")
     logs = tmp_path / "logs"

@@ -7,7 +7,8 @@ layers: `encoder.down.1.block.0.conv1.weight` <-> `encoder.down_blocks.1.resnets
 from the bottom), `mid.block_{1,2}` <-> `mid_block.resnets.{0,1}`, `mid.attn_1.{norm,q,k,v,proj_out}`
 <-> `mid_block.attentions.0.{group_norm,to_q,to_k,to_v,to_out.0}`, `nin_shortcut` <->
 `conv_shortcut`, `norm_out` <-> `conv_norm_out`. Files of diffusers before 0.14 name the
-attention `query/key/value/proj_attn`; they are read too.
+attention `query/key/value/proj_attn`; they are read too. `quant_conv` / `post_quant_conv` keep
+their names, and SD 3/3.5's VAE has neither (diffusers' `use_quant_conv: false`).
 """
 
 import re
@@ -110,9 +111,14 @@ def _original_names(levels: int, state: Mapping) -> list[str]:
     return [f"{n}.{kind}" for n in names for kind in ("weight", "bias")]
 
 
-def diffusers_config(state: Mapping[str, torch.Tensor], scaling_factor: float, size: int) -> dict:
+def diffusers_config(
+    state: Mapping[str, torch.Tensor], scaling_factor: float, size: int, shift_factor: float = 0.0
+) -> dict:
     """diffusers' `AutoencoderKL` config (config.json) of original VAE weights, read from their
-    shapes; `scaling_factor` (0.18215 for SD 1.x/2.x) and `size` are not in the weights."""
+    shapes and names; `scaling_factor` (0.18215 for SD 1.x/2.x, 1.5305 for SD3), `shift_factor`
+    (SD3: 0.0609; diffusers' latents are (z - shift) * scale as ours) and `size` are not in the
+    weights."""
+    quant_conv = "quant_conv.weight" in state
     levels = _levels(state, r"encoder\.down\.(\d+)\.")
     blocks = _levels(state, r"encoder\.down\.0\.block\.(\d+)\.")
     return {
@@ -126,9 +132,13 @@ def diffusers_config(state: Mapping[str, torch.Tensor], scaling_factor: float, s
             for i in range(levels)
         ],
         "layers_per_block": blocks,
-        "latent_channels": state["post_quant_conv.weight"].shape[1],
+        "latent_channels": state["decoder.conv_in.weight"].shape[1],
         "norm_num_groups": 32,  # ldm.autoencoder.normalize
         "act_fn": "silu",
         "sample_size": size,
         "scaling_factor": scaling_factor,
+        # diffusers writes null for "no shift" (SD 1.x/2.x/XL), as its own configs do
+        "shift_factor": shift_factor or None,
+        "use_quant_conv": quant_conv,
+        "use_post_quant_conv": "post_quant_conv.weight" in state,
     }

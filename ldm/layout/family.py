@@ -25,7 +25,7 @@ loaded memory-mapped with the safe loader (`ldm.safe_load`).
 import copy
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from ldm.layout import original, sd3
@@ -161,3 +161,25 @@ def describe(path: str | Path, family: str | None) -> str:
     if path and Path(path).is_dir():
         return f"a diffusers folder ({family})"
     return "a LoRA file" if family == LORA else f"{a(family)} checkpoint"
+
+
+# The two kinds of KL VAE, told apart by one key: SD 1.x/2.x/SDXL's (4 latent channels) has the 1x1
+# `quant_conv` around the latent; SD 3/3.5's (16 channels; Flux's too) has none (Stability's
+# sd3_impls.SDVAE, diffusers' `use_quant_conv: false`). Same name in both layouts.
+VAE4, VAE16 = (
+    "an SD VAE (4 latent channels, with quant_conv)",
+    "a 16-channel SD3 VAE (no quant_conv)",
+)
+VAE_KIND_FILES = {
+    VAE4: "an SD 1.x/2.x/SDXL VAE or checkpoint",
+    VAE16: "an SD 3/3.5 VAE or checkpoint (first_stage_model.*)",
+}
+
+
+def vae_kind(keys: Iterable[str]) -> str | None:
+    """VAE4 or VAE16 of state-dict `keys` holding a KL VAE (bare, under `first_stage_model.`
+    or in diffusers' names), None when they hold no VAE encoder."""
+    keys = [k.removeprefix("first_stage_model.") for k in keys]
+    if not any(k.startswith("encoder.conv_in.") for k in keys):
+        return None
+    return VAE4 if any(k.startswith("quant_conv.") for k in keys) else VAE16

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from lun.data.dataset_report_sd3 import sd3_encoders
+
 logger = logging.getLogger("lun.data")
 
 TOP_WORDS = 30  # most common tags / words listed
@@ -453,7 +455,7 @@ def build_report(config: dict, *, decode=False, world_size=None, seed=23, progre
         devices, nodes = trainer.get("devices", 1), trainer.get("num_nodes", 1)
         world_size = (devices if isinstance(devices, int) and devices > 0 else 1) * nodes
     model = config.get("model") or {}
-    encoders = text_encoders(model)
+    encoders = text_encoders(model) + sd3_encoders(model)  # SD3: CLIP-L, bigG (77), T5 (256)
     splits = []
     for split, dataset in data.datasets.items():
         dataset = getattr(dataset, "dataset", dataset)  # the images under a latent cache

@@ -135,7 +135,7 @@ def _captions_section(captions) -> str:
             _img(histogram(tokens["lengths"], title, markers=[(limit, str(limit))]), title)
         )
     if not captions["tokens"]:
-        parts.append("<p>The model config names no CLIP text encoder: no token counts.</p>")
+        parts.append("<p>The model config names no CLIP or T5 text encoder: no token counts.</p>")
     parts.append(_table(captions["top_words"], ("tag / word", "captions")))
     return "".join(parts)
 
