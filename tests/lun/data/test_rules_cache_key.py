@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from lun.config import merge_configs, to_container
-from lun.data.latent_cache import file_sha256, item_keys, latent_key, module_fingerprint, text_key
+from ldm.model_contract import module_fingerprint
+from lun.data.latent_cache import file_sha256, item_keys, latent_key, text_key
 from lun.data.local import Local
 from lun.trainer import build_model
 
