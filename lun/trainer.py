@@ -134,6 +134,10 @@ def build_data(config: dict) -> LightningDataModule:
     `check_readable`), so a missing folder or a dataset without one usable image is a config
     error naming its key; Lightning's `setup` then finds them built."""
     check_target("data", config, LightningDataModule)
+    from lun.prior_images import draw_missing_class_images  # imports the sampling code
+
+    with config_errors("data", config):
+        draw_missing_class_images(config)  # the data reads folders: what it lacks is drawn first
     with config_errors("data", config):
         data = _built("data", config, instantiate_from_config(config), LightningDataModule)
     if not isinstance(data, DataModule):
