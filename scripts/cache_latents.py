@@ -54,13 +54,8 @@ def parse_args(argv=None):
 
 
 def load_config(opt, dotlist) -> dict:
-    from lun.config import (
-        ConfigError,
-        check_complete,
-        merge_configs,
-        to_container,
-        translate_legacy_keys,
-    )
+    from lun.config import ConfigError, check_complete, merge_configs, to_container
+    from lun.legacy import translate_legacy_keys
 
     unknown = [a for a in dotlist if a.startswith("-")]
     if unknown:
