@@ -13,16 +13,12 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
 from lun.config import ConfigError, check_complete, merge_configs, to_container
 from lun.legacy import legacy_resume, translate_command_line
-
-if TYPE_CHECKING:
-    from lun.remote import RemoteRun
-    from lun.run import RunDir
+from lun.run import RunDir
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -173,9 +169,9 @@ class Launch:
 
     config: dict
     as_written: DictConfig
-    run_dir: "RunDir"
+    run_dir: RunDir
     ckpt_path: Path | None
-    remote: "RemoteRun | None"
+    remote: object | None  # lun.remote.RemoteRun (Lightning-heavy: imported when needed)
 
 
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
