@@ -11,20 +11,14 @@ import logging
 import pickle
 import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
-from lun.config import (
-    ConfigError,
-    check_complete,
-    legacy_resume,
-    merge_configs,
-    set_data_root,
-    to_container,
-    translate_gpus,
-    translate_legacy_keys,
-)
+from lun.config import ConfigError, check_complete, merge_configs, to_container
+from lun.legacy import legacy_resume, translate_command_line
+from lun.run import RunDir
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -168,47 +162,40 @@ def release_process_group() -> None:
         dist.destroy_process_group()
 
 
+@dataclass
+class Launch:
+    """What `resolve` decides before anything is built: the merged config (resolved, and as
+    written), the run folder, the checkpoint a resume or validation starts from."""
+
+    config: dict
+    as_written: DictConfig
+    run_dir: RunDir
+    ckpt_path: Path | None
+    remote: object | None  # lun.remote.RemoteRun (Lightning-heavy: imported when needed)
+
+
 def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
     from lun.run import hold_save_signal
 
     hold_save_signal()  # before anything slow: SIGUSR1 would kill the process until fit starts
-    # Heavy imports after argument parsing, so `--help` and config errors answer at once.
-    from lightning.pytorch import seed_everything
+    launch = resolve(opt, dotlist)
+    built = build(opt, launch)
+    return train(opt, launch, *built)
 
-    from lun.remote import new_run, resolve_resume
-    from lun.run import check_strategy_fits, is_rank_zero, resume_target, saved_configs
-    from lun.trainer import build_data, build_model, build_trainer
 
+def resolve(opt: argparse.Namespace, dotlist: list[str]) -> Launch:
+    """Step 1: the config (files, command line, a resumed run's saved configs, the legacy
+    spellings translated), the run folder and checkpoint; checked before anything is built."""
     unknown = [a for a in dotlist if a.startswith("-")]
     if unknown:
         raise ConfigError(f"unknown option {unknown[0]} (see --help)")
-    ckpt_path = None
     cfg = merge_configs(opt.base, dotlist) if opt.base else None
     legacy = legacy_resume(cfg) if cfg is not None else None  # Lightning 1.x's way to --resume
     if legacy and opt.resume:
         raise ConfigError("give --resume or lightning.trainer.resume_from_checkpoint, not both")
     resume = opt.resume or legacy or (opt.validate_only if opt.validate_only is not True else "")
-    if resume:
-        resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
-        verb = "validating" if opt.validate_only else "resuming from"
-        verb = verb if opt.train or opt.validate_only else "would resume from"
-        run_dir, ckpt_path = resume_target(resume, verb)
-        from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
-
-        check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
-        if cfg is None:
-            cfg = merge_configs(saved_configs(run_dir), dotlist)
-    else:
-        cfg = cfg if cfg is not None else merge_configs([], dotlist)
-        name = opt.name or (Path(opt.base[0]).stem if opt.base else "run")
-        run_dir, remote = new_run(opt.logdir, name, opt.postfix)  # remote: mirrors a URL's
-    translate_legacy_keys(cfg)
-    if opt.data_root is not None:
-        set_data_root(cfg, opt.data_root)
-    if opt.gpus is not None:  # the command line wins over the files' trainer settings
-        if OmegaConf.select(cfg, "lightning.trainer", default=None) is None:
-            OmegaConf.update(cfg, "lightning.trainer", {}, force_add=True)
-        translate_gpus(cfg.lightning.trainer, opt.gpus, "--gpus", wins=True)
+    cfg, run_dir, ckpt_path, remote = _run_folder(opt, cfg, dotlist, resume)
+    translate_command_line(cfg, opt.data_root, opt.gpus)
     for section in ("model", "data"):
         if section not in cfg:
             raise ConfigError(f"the merged config has no '{section}' section")
@@ -224,46 +211,87 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         check_config_files(config["model"], ckpt_path, opt.unsafe_load, flag)
     except ValueError as err:
         raise ConfigError(str(err)) from err
-    lightning_cfg = config.get("lightning") or {}
-    model_params = config["model"].setdefault("params", {})
+    return Launch(config, as_written, run_dir, ckpt_path, remote)
 
+
+def _run_folder(opt, cfg, dotlist: list[str], resume: str):
+    """(config, run folder, checkpoint, remote): a resumed run's (its saved configs unless
+    --base is given), or a new one's."""
+    from lun.remote import new_run, resolve_resume
+    from lun.run import resume_target, saved_configs
+
+    if not resume:
+        cfg = cfg if cfg is not None else merge_configs([], dotlist)
+        name = opt.name or (Path(opt.base[0]).stem if opt.base else "run")
+        run_dir, remote = new_run(opt.logdir, name, opt.postfix)  # remote: mirrors a URL's
+        return cfg, run_dir, None, remote
+    resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
+    verb = "validating" if opt.validate_only else "resuming from"
+    verb = verb if opt.train or opt.validate_only else "would resume from"
+    run_dir, ckpt_path = resume_target(resume, verb)
+    from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
+
+    check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
+    if cfg is None:
+        cfg = merge_configs(saved_configs(run_dir), dotlist)
+    return cfg, run_dir, ckpt_path, remote
+
+
+def build(opt: argparse.Namespace, launch: Launch) -> tuple:
+    """Step 2: (data, trainer, model), built and checked before the run folder exists. A value
+    refused with a ValueError (unknown target or parameter, a constructor's check) is a config
+    error; a TypeError raised inside a constructor is a bug and keeps its traceback."""
+    from lightning.pytorch import seed_everything
+
+    from lun.data.latent_cache import check_cached_data
+    from lun.run import check_strategy_fits
+    from lun.trainer import build_data, build_model, build_trainer
+
+    config = launch.config
+    model_params = config["model"].setdefault("params", {})
     seed_everything(opt.seed, workers=True)
-    # Everything is built and checked before the run folder exists. A value refused with a
-    # ValueError (unknown target or parameter, a constructor's check) is a config error; a
-    # TypeError raised inside a constructor is a bug and keeps its traceback.
     try:
         data = build_data(config["data"])  # its datasets indexed, a first image decoded
         data_params = config["data"].get("params") or {}
         # The original configs' `model.params.use_ema` switches on the EMA callback.
         use_ema = bool(model_params.get("use_ema", False))
-        trainer = build_trainer(lightning_cfg, run_dir, "validation" in data_params, use_ema)
-        # The learning rate is a constructor value (lun.contract): written before building.
-        base_lr = config["model"].get("base_learning_rate")
-        if base_lr is not None:
-            if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr <= 0:
-                raise ConfigError(f"model.base_learning_rate: {base_lr!r} is not a positive number")
-            lr = scaled_learning_rate(base_lr, data, trainer) if opt.scale_lr else base_lr
-            model_params["learning_rate"] = lr
-        elif opt.scale_lr:
-            raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
+        lightning_cfg = config.get("lightning") or {}
+        trainer = build_trainer(lightning_cfg, launch.run_dir, "validation" in data_params, use_ema)
+        set_learning_rate(config["model"], opt.scale_lr, data, trainer)
         model = build_model(config["model"])
-        from lun.data.latent_cache import check_cached_data
-
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
-        check_strategy_fits(model, trainer.strategy, resuming=ckpt_path is not None)
-        if remote is not None:
-            remote.attach(trainer)
+        check_strategy_fits(model, trainer.strategy, resuming=launch.ckpt_path is not None)
+        if launch.remote is not None:
+            launch.remote.attach(trainer)
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
+    return data, trainer, model
+
+
+def set_learning_rate(model_config: dict, scale_lr: bool, data, trainer) -> None:
+    """The learning rate is a constructor value (lun.contract): written before building."""
+    base_lr = model_config.get("base_learning_rate")
+    if base_lr is not None:
+        if isinstance(base_lr, bool) or not isinstance(base_lr, (int, float)) or base_lr <= 0:
+            raise ConfigError(f"model.base_learning_rate: {base_lr!r} is not a positive number")
+        lr = scaled_learning_rate(base_lr, data, trainer) if scale_lr else base_lr
+        model_config["params"]["learning_rate"] = lr
+    elif scale_lr:
+        raise ConfigError("--scale_lr needs model.base_learning_rate (the per-sample rate)")
+
+
+def train(opt: argparse.Namespace, launch: Launch, data, trainer, model) -> int:
+    """Step 3: validate only, or plan the memory, make the run folder, fit, then test."""
+    from lun.run import is_rank_zero
 
     if opt.validate_only:  # before the run folder: validating writes nothing there
         from lun.validate_only import validate_checkpoint
 
-        if ckpt_path is None:
+        if launch.ckpt_path is None:
             print("validating the weights the config builds")
-
+        lightning_cfg = launch.config.get("lightning") or {}
         return validate_checkpoint(
-            model, data, lightning_cfg, ckpt_path, opt.out, opt.raw_weights, opt.unsafe_load
+            model, data, lightning_cfg, launch.ckpt_path, opt.out, opt.raw_weights, opt.unsafe_load
         )
     # The memory plan, before the run folder: a run that cannot fit stops here (exit 2). Other
     # ranks are started by rank 0's `fit`, after its plan passed.
@@ -280,13 +308,26 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
         print("config checked; add -t to train")
         return 0
     if is_rank_zero():
-        run_dir.create()
-        run_dir.save_configs(as_written)
-        if plan is not None:
-            plan.save(run_dir.root / "memory-plan.json")
-        if remote is not None:
-            remote.sync()
-        print(f"run folder: {remote.url if remote else run_dir.root}")
+        create_run_folder(launch, plan)
+    status = fit(opt, launch, data, trainer, model)
+    if status is None and not opt.no_test and "test" in (launch.config["data"].get("params") or {}):
+        trainer.test(model, datamodule=data)
+    return status or 0
+
+
+def create_run_folder(launch: Launch, plan) -> None:
+    launch.run_dir.create()
+    launch.run_dir.save_configs(launch.as_written)
+    if plan is not None:
+        plan.save(launch.run_dir.root / "memory-plan.json")
+    if launch.remote is not None:
+        launch.remote.sync()
+    print(f"run folder: {launch.remote.url if launch.remote else launch.run_dir.root}")
+
+
+def fit(opt: argparse.Namespace, launch: Launch, data, trainer, model) -> int | None:
+    """`trainer.fit`; the exit status of a run stopped by a signal, None when it finished."""
+    ckpt_path = launch.ckpt_path
     try:
         trainer.fit(
             model,
@@ -307,11 +348,9 @@ def run(opt: argparse.Namespace, dotlist: list[str]) -> int:
             raise
         raise out_of_memory_in_training(err, trainer) from err
     finally:
-        if remote is not None:
-            remote.sync()  # what the loggers wrote last, after every callback
-    if not opt.no_test and "test" in data_params:
-        trainer.test(model, datamodule=data)
-    return 0
+        if launch.remote is not None:
+            launch.remote.sync()  # what the loggers wrote last, after every callback
+    return None
 
 
 def scaled_learning_rate(base_lr: float, data, trainer) -> float:

@@ -29,6 +29,7 @@ from torch import nn
 
 from ldm.autoencoder import AutoencoderKL, DiagonalGaussianDistribution
 from ldm.layout.ema import drop_ema_shadows
+from ldm.model_contract import ManualOptimizationContract
 from ldm.util import instantiate_from_config
 
 # The 1x1 convs are absent from SD3's VAE (use_quant_conv: false): parts a VAE lacks are skipped.
@@ -38,7 +39,7 @@ LPIPS_PREFIX = "loss.perceptual_loss."  # a fixed metric: never saved, never loa
 DISC_SCALER_KEY = "discriminator_grad_scaler"
 
 
-class AutoencoderKLTraining(AutoencoderKL, pl.LightningModule):
+class AutoencoderKLTraining(ManualOptimizationContract, AutoencoderKL, pl.LightningModule):
     """The KL autoencoder with its GAN training recipe, as a LightningModule.
 
     Args:

@@ -23,6 +23,7 @@ from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
+from ldm.model_contract import LatentModelContract
 from ldm.optim import build_optimizer, build_scheduler
 from ldm.util import ParamError, instantiate_from_config
 from ldm.validation import FixedNoiseValidation
@@ -100,7 +101,7 @@ class DiffusionWrapper(nn.Module):
         return self.diffusion_model(x, t, cond)
 
 
-class LatentDiffusion(CompVisAPI, pl.LightningModule):
+class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     """Conditional latent diffusion: a frozen first stage (VAE), a conditioner, a trainable backbone.
 
     The parts meet at three seams: the conditioner turns a batch into named tensors

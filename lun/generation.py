@@ -22,6 +22,7 @@ from ldm.layout import family
 from ldm.layout.diffusers import is_diffusers_folder
 from ldm.util import instantiate_from_config
 from lun.config import check_complete, merge_configs, to_container
+from lun.contract import LatentModel
 from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
 from lun.images import make_grid
 from lun.lora_use import apply_loras, infotext_fields, parse_specs, tagged_prompt
@@ -103,7 +104,7 @@ def find_config(ckpt: Path) -> list[Path]:
     return configs
 
 
-def load_model(args) -> torch.nn.Module:
+def load_model(args) -> LatentModel:
     """Build the model from its config and load the checkpoint strictly (EMA as asked)."""
     ckpt = Path(args.ckpt)
     folder = is_diffusers_folder(ckpt)  # converted to the original layout on load
@@ -141,9 +142,9 @@ def model_config(args):
     return merge_configs(configs if args.config else find_config(Path(args.ckpt)))
 
 
-def load_vae(model: torch.nn.Module, path: str) -> None:
+def load_vae(model: LatentModel, path: str) -> None:
     """Replace the model's first stage with the VAE in `path` (strict: every weight, same shapes)."""
-    checkpoint.load_first_stage(model.first_stage_model, path, what="--vae")
+    model.load_first_stage(path, what="--vae")
 
 
 def check_lora_files(files: list[tuple[Path, float]]) -> None:
@@ -155,7 +156,7 @@ def check_lora_files(files: list[tuple[Path, float]]) -> None:
             checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
 
 
-def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:
+def check_lora_target(model: LatentModel, files: list[tuple[Path, float]]) -> None:
     """LoRA files name the UNet's and text encoders' layers (kohya / diffusers): other
     backbones (DiT) have none of them."""
     found = family.model_family(model)
@@ -167,12 +168,12 @@ def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -
         )
 
 
-def check_conditioning(model: torch.nn.Module, args) -> None:
+def check_conditioning(model: LatentModel, args) -> None:
     """A class model draws `--class`, a text model `--prompt`: the other is one line."""
-    classes = model.conditioner.input_key == "label"
+    classes = model.class_count is not None
     if classes and not getattr(args, "classes", None):
         raise ValueError(
-            f"this model draws classes ({model.conditioner.num_classes} of them), not prompts: "
+            f"this model draws classes ({model.class_count} of them), not prompts: "
             "give --class ID or --class NAME instead of --prompt / --from-file"
         )
     if not classes and getattr(args, "classes", None):
@@ -301,7 +302,7 @@ def generate(
     model = load_model(args)
     check_conditioning(model, args)
     check_lora_target(model, lora_files)
-    prompts = read_prompts(args, getattr(model.conditioner, "num_classes", None))
+    prompts = read_prompts(args, model.class_count)
     loras = apply_loras(model, lora_files)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)

@@ -14,10 +14,14 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from lun.config import ConfigError
+
+if TYPE_CHECKING:
+    from lun.contract import TrainableModule
 
 log = logging.getLogger(__name__)
 
@@ -246,37 +250,15 @@ def take_held_save_signal() -> bool:
     return held
 
 
-def check_strategy_fits(model, strategy, resuming: bool = False) -> None:
-    """Before the run folder: a module that steps its own optimizers (manual optimization: the
-    autoencoder's generator and discriminator, two backward passes per batch) and the strategies
-    it cannot run under - their errors would come from inside `fit`, after the folder exists.
-
-    DeepSpeed: Lightning hands it one optimizer. DDP: each backward leaves the other optimizer's
-    weights without gradients, which DDP accepts only with `find_unused_parameters: true`.
-    FSDP trains it (lun.strategies.FSDPStrategy makes each trainable part its own root), but
-    the optimizer states Lightning gathers into its checkpoints then do not match the weights
-    (seen: the Adam moments of a 2-process CPU run match none of DDP's, and a resumed step
-    moved a weight 20x further than a straight one): a resume is refused.
-    """
+def check_strategy_fits(model: "TrainableModule", strategy, resuming: bool = False) -> None:
+    """Before the run folder: a strategy the module cannot train under (the module says which:
+    `strategy_problem`) - its error would come from inside `fit`, after the folder exists."""
     from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-    if model.automatic_optimization:
-        return
-    name = type(model).__name__
-    if resuming and isinstance(strategy, FSDPStrategy):
-        raise ConfigError(
-            f"--resume: {name} cannot resume under FSDP (its checkpoints' optimizer states are "
-            "not valid); start a new run from the weights: model.params.ckpt_path=<checkpoint>"
-        )
-    if isinstance(strategy, DeepSpeedStrategy):
-        raise ConfigError(
-            f"lightning.strategy: {name} steps two optimizers (manual optimization), which "
-            "Lightning's DeepSpeed strategy cannot run; use strategy: ddp or fsdp"
-        )
+    kinds = {DeepSpeedStrategy: "deepspeed", FSDPStrategy: "fsdp", DDPStrategy: "ddp"}
+    kind = next((k for cls, k in kinds.items() if isinstance(strategy, cls)), "single")
     ddp_kwargs = getattr(strategy, "_ddp_kwargs", {})  # DDPStrategy keeps its arguments there
-    if isinstance(strategy, DDPStrategy) and not ddp_kwargs.get("find_unused_parameters"):
-        raise ConfigError(
-            "lightning.strategy.params.find_unused_parameters: must be true for "
-            f"{name}: its generator and discriminator backward passes each leave the other's "
-            "weights without gradients"
-        )
+    unused = bool(ddp_kwargs.get("find_unused_parameters"))
+    problem = model.strategy_problem(kind, find_unused_parameters=unused, resuming=resuming)
+    if problem:
+        raise ConfigError(problem)

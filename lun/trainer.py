@@ -27,19 +27,11 @@ from lun.callbacks.defaults import default_callback_configs
 from lun.callbacks.signals import SignalCheckpoint
 from lun.config import ConfigError, config_errors
 from lun.data.datamodule import DataModule, check_loader_settings, is_count
+from lun.legacy import callback_target, image_logger_params
 from lun.run import RunDir
 
 logger = logging.getLogger(__name__)
 
-# Callback targets of the original launchers (CompVis `main.py`, translunar-diffusion): the
-# class that plays the role here. `main.*` names are the launcher's, so they are mapped here and
-# not in ldm.util's table of model targets.
-LEGACY_CALLBACK_TARGETS = {
-    "main.ImageLogger": "lun.callbacks.image_logger.ImageLogger",
-    "lun.callbacks.SmoothedProgressBar": "lun.callbacks.progress.SmoothedProgressBar",
-    # translunar-diffusion's own ImageLogger (its parameters are the original's, translated below).
-    "lun.callbacks.ImageLogger": "lun.callbacks.image_logger.ImageLogger",
-}
 IMAGE_LOGGER = "lun.callbacks.image_logger.ImageLogger"
 CHECKPOINT = "lun.callbacks.checkpoints.Checkpoint"
 # Lightning's ModelCheckpoint defaults where our Checkpoint's differ.
@@ -48,25 +40,6 @@ LIGHTNING_CHECKPOINT_DEFAULTS = {
     "auto_insert_metric_name": True,
     "enable_version_counter": True,
 }
-# The original ImageLogger's parameters: ours of the same meaning, or None (accepted, no effect).
-LEGACY_IMAGE_LOGGER_PARAMS = {
-    "clamp": None,  # our grids are always clamped to [-1, 1]
-    "rescale": None,  # ... and always mapped from [-1, 1] to [0, 255]
-    "check_custom_step": None,
-    "log_on_batch_idx": None,  # we count optimizer steps
-    "log_before_first_step": "log_first_step",
-    "val_batch_frequency": None,  # translunar: grids are logged in training only here
-    "log_images_to_loggers": None,  # translunar: our grids always go to the loggers too
-}
-# The original `log_images_kwargs` (passed to the original model's `log_images`).
-LEGACY_LOG_IMAGES_KWARGS = {
-    "N": "max_images",
-    "ddim_steps": "steps",
-    "use_ema_scope": "use_ema",
-    "unconditional_guidance_scale": "scale",
-}
-# Lightning's package before 2.0; a config naming it gets the same class from `lightning`.
-OLD_LIGHTNING_PREFIX, LIGHTNING_PREFIX = "pytorch_lightning.", "lightning.pytorch."
 
 TRAINER_PARAMETERS = dict(inspect.signature(Trainer.__init__).parameters)
 TRAINER_ARGS = set(TRAINER_PARAMETERS) - {"self"}
@@ -134,6 +107,10 @@ def build_data(config: dict) -> LightningDataModule:
     `check_readable`), so a missing folder or a dataset without one usable image is a config
     error naming its key; Lightning's `setup` then finds them built."""
     check_target("data", config, LightningDataModule)
+    from lun.prior_images import draw_missing_class_images  # imports the sampling code
+
+    with config_errors("data", config):
+        draw_missing_class_images(config)  # the data reads folders: what it lacks is drawn first
     with config_errors("data", config):
         data = _built("data", config, instantiate_from_config(config), LightningDataModule)
     if not isinstance(data, DataModule):
@@ -225,51 +202,10 @@ def _build_strategy(strategy_cfg, deepspeed_cfg: dict | None = None):
         raise ConfigError(f"lightning.strategy: {err}") from None
 
 
-def _target(cfg: dict) -> str:
-    """A callback's or logger's target with the old names mapped to the classes used here."""
-    target = cfg["target"]
-    target = LEGACY_CALLBACK_TARGETS.get(target, target)
-    if target.startswith(OLD_LIGHTNING_PREFIX):
-        target = LIGHTNING_PREFIX + target[len(OLD_LIGHTNING_PREFIX) :]
-    return target
-
-
 def _class_of(key: str, target: str):
     with config_errors(key):
         obj = get_obj_from_str(target)
     return obj if isinstance(obj, type) else None
-
-
-def _image_logger_params(key: str, params: dict) -> dict | None:
-    """The original ImageLogger's parameters -> ours (None: `disabled: true`, no callback).
-
-    What has a meaning here is honoured (`log_images_kwargs.N` -> `max_images`, `ddim_steps` ->
-    `steps`, `use_ema_scope` -> `use_ema`, `unconditional_guidance_scale` -> `scale`); the rest
-    is accepted with one warning line naming the key.
-    """
-    params = dict(params)
-    if params.pop("disabled", False):
-        return None
-    for name, ours in LEGACY_IMAGE_LOGGER_PARAMS.items():
-        if name not in params:
-            continue
-        value = params.pop(name)
-        if ours is None:
-            logger.warning("%s.params.%s is accepted but has no effect here", key, name)
-        else:
-            params.setdefault(ours, value)
-    kwargs = params.pop("log_images_kwargs", None) or {}
-    for name, value in kwargs.items():
-        ours = LEGACY_LOG_IMAGES_KWARGS.get(name)
-        if ours is None:
-            logger.warning(
-                "%s.params.log_images_kwargs.%s is accepted but has no effect here", key, name
-            )
-        elif ours == "max_images" and "max_images" in params:
-            params["max_images"] = min(params["max_images"], value)  # both cap the grid
-        else:
-            params[ours] = value
-    return params
 
 
 def _checkpoint_params(key: str, cls: type, params: dict, run: RunDir) -> dict:
@@ -319,7 +255,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
         if not isinstance(cfg, dict):
             raise ConfigError(f"lightning.callbacks.{name}: expected a mapping with a 'target'")
         if "target" in cfg:
-            cfg = {**cfg, "target": _target(cfg)}
+            cfg = {**cfg, "target": callback_target(cfg)}
         if "target" in cfg and cfg["target"] != configs.get(name, {}).get("target"):
             configs[name] = cfg  # another class: its own params only
         else:  # a partial override (e.g. only `params.every_n_train_steps`) keeps the rest
@@ -343,7 +279,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
         cls = _class_of(key, cfg["target"])
         params = cfg.get("params") or {}
         if cfg["target"] == IMAGE_LOGGER:
-            params = _image_logger_params(key, params)
+            params = image_logger_params(key, params)
             if params is None:
                 continue
         elif cls is not None and issubclass(cls, ModelCheckpoint):
@@ -420,7 +356,7 @@ def build_logger(lightning_cfg: dict, run: RunDir):
 
 
 def _build_one_logger(key: str, cfg: dict, run: RunDir):
-    target = _target(cfg)
+    target = callback_target(cfg)
     params = {"save_dir": str(run.root), **(cfg.get("params") or {})}
     cls = _class_of(key, target)
     if cls is not None and issubclass(cls, TensorBoardLogger):

@@ -81,9 +81,8 @@ def batches(model, image: int) -> dict:
     images = torch.rand(BATCH, 3, image, image, generator=g) * 2 - 1
     captions = [f"a photo number {i} of a red circle" for i in range(BATCH)]
     with torch.no_grad():
-        posterior = model.first_stage_model.encode(images)
-        moments = torch.cat([posterior.mean, posterior.logvar], dim=1)
-        context = model.conditioner.condition({"caption": captions})
+        moments = model.first_stage_moments(images)
+        context = model.encode_captions(captions)
     return {
         "online": {"image": images, "caption": captions},
         "cached latents": {"latent": moments, "caption": captions},
@@ -160,13 +159,12 @@ def _count(unet: dict, image: int) -> dict[str, float]:
     x = torch.empty(1, 3, image, image)
     z = torch.empty(1, 4, side, side, requires_grad=True)
     t = torch.zeros(1, dtype=torch.long)
-    tokens = torch.zeros(1, 77, dtype=torch.long)
     counts = {}
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model.first_stage_model.encode(x)
+        model.first_stage_moments(x)
     counts["VAE encode"] = counter.get_total_flops()
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model.conditioner.transformer(input_ids=tokens)
+        model.encode_captions([""])  # padded to 77 tokens, as the step's captions
     counts["text encoder"] = counter.get_total_flops()
     context = torch.empty(1, 77, 768)
     with FlopCounterMode(display=False) as counter:

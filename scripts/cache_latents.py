@@ -54,13 +54,8 @@ def parse_args(argv=None):
 
 
 def load_config(opt, dotlist) -> dict:
-    from lun.config import (
-        ConfigError,
-        check_complete,
-        merge_configs,
-        to_container,
-        translate_legacy_keys,
-    )
+    from lun.config import ConfigError, check_complete, merge_configs, to_container
+    from lun.legacy import translate_legacy_keys
 
     unknown = [a for a in dotlist if a.startswith("-")]
     if unknown:
@@ -121,20 +116,16 @@ def run(opt, dotlist) -> int:
         dataset = instantiate_from_config(params["train"])
         cache.check_cacheable(dataset, opt.text)
     model = build_model(config["model"])
-    conditioner = model.conditioner
-    if opt.text and (getattr(conditioner, "trainable", True) or conditioner.input_key != "caption"):
+    if opt.text and not model.caption_conditioning_frozen:
         raise ConfigError(
             "--text: the text encoder is trained (or does not read captions): its outputs "
             "change every step and cannot be cached; cache the latents only"
         )
     device = pick_device(opt.device, rank)
-    model.first_stage_model.to(device).eval()
-    conditioner.to(device)
+    model.encoders_to(device)  # the backbone is not needed: it stays where it is
     fingerprints = {
-        "first_stage": cache.module_fingerprint(model.first_stage_model),
+        **model.cache_fingerprint(text=opt.text),
         "kind": "sample" if opt.sample else "posterior",
-        "scale_factor": float(model.scale_factor),
-        "text": cache.module_fingerprint(conditioner) if opt.text else None,
     }
     os.makedirs(opt.out, exist_ok=True)
     try:
@@ -144,7 +135,7 @@ def run(opt, dotlist) -> int:
     plan = build.make_plan(dataset, fingerprints, previous, opt.text, opt.out, opt.shard_size)
     plan.made_with = [p if not os.path.isabs(p) else os.path.basename(p) for p in opt.base]
     if opt.text:
-        plan.text_fields = sorted(conditioner.condition({"caption": [""]}, drop=False))
+        plan.text_fields = sorted(model.encode_captions([""]))
     if rank == 0:
         print(plan.summary())
         if dataset.flip_p == 0:

@@ -195,7 +195,7 @@ def evaluate(model, args) -> tuple[Scores, torch.Tensor, list[str]]:
     latent_shape = model.latent_shape(size, size)
     noise = starting_noise(list(range(args.seed, args.seed + args.n)), latent_shape, model.device)
     prompts = prompts_to_score(args.template)
-    if model.conditioner.input_key == "label":  # class-conditional (DiT on --layout classes)
+    if model.class_count is not None:  # class-conditional (DiT on --layout classes)
         prompts = [(class_names().index(f"{c}-{s}"), c, s) for _, c, s in prompts]
     per_batch = max(1, args.batch_size // args.n)  # prompts per sampling batch
     images = []

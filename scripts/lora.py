@@ -43,7 +43,7 @@ def export(args) -> None:
     import torch
 
     from ldm import checkpoint, lora
-    from ldm.layout import kohya
+    from ldm.layout import family, kohya
     from lun.generation import writing
 
     model = load_model(args)
@@ -52,9 +52,7 @@ def export(args) -> None:
     dtype = torch.float16 if args.half else None
     if args.format == "kohya":
         state = lora.kohya_state_dict(model, dtype)
-        version = (
-            "sd_v2" if model.conditioner.__class__.__name__ == "FrozenOpenCLIPEmbedder" else "sd_v1"
-        )
+        version = "sd_v2" if family.model_family(model) == family.SD2 else "sd_v1"
         version += "_v" if model.parameterization == "v" else ""
         version = "sdxl_base_v1-0" if lora.is_sdxl(model) else version  # kohya's SDXL version
         metadata = kohya.kohya_metadata(model.lora_settings, version)

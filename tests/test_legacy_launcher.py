@@ -10,13 +10,8 @@ import yaml
 from omegaconf import OmegaConf
 from run_helpers import ROOT, run_main, run_main_here
 
-from lun.config import (
-    ConfigError,
-    legacy_resume,
-    merge_configs,
-    set_data_root,
-    translate_legacy_keys,
-)
+from lun.config import ConfigError, merge_configs
+from lun.legacy import legacy_resume, set_data_root, translate_legacy_keys
 
 TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
 

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from run_helpers import ROOT, run_main
 
 from lun.callbacks.checkpoints import Checkpoint
-from lun.config import ConfigError, merge_configs, to_container, translate_legacy_keys
+from lun.config import ConfigError, merge_configs, to_container
+from lun.legacy import translate_legacy_keys
 from lun.run import RunDir
 from lun.trainer import build_trainer
 

@@ -11,7 +11,8 @@ becomes that dog, and the class loses its variety. The class-specific prior pres
     data_root/**/<image>          the subject (instance images), captioned `instance_prompt`
     class_data_root/**/<image>    the class, captioned `class_prompt`; the missing ones up to
                                   `num_class_images` are drawn from `class_model` before
-                                  training and kept there, so the next run reuses them
+                                  the data is built (lun.prior_images, called by the
+                                  launcher) and kept there, so the next run reuses them
 
 As in diffusers' train_dreambooth(_lora).py, each item pairs an instance image with a class image
 (instance i mod N_instance, class i mod N_class; max(N_instance, N_class) items), and `collate`
@@ -19,10 +20,8 @@ makes a batch of B items into 2B images: the B instance images, then the B class
 per-image `loss_weight` that `ldm.diffusion.LatentDiffusion` multiplies into the per-sample loss.
 """
 
-import itertools
 import logging
 import os
-import types
 
 import torch
 
@@ -38,11 +37,50 @@ from lun.data.index import is_image, walk
 from lun.data.report import MAX_FRESH_FAILURES, BadInputLog
 
 logger = logging.getLogger("lun.data")
-CLASS_IMAGE_NAME = "class-{:05d}.png"  # image i is drawn from seed i
 
 
 def _list_images(root: str) -> list[str]:
     return [os.path.join(root, rel) for rel, size, _ in walk(root) if is_image(rel) and size > 0]
+
+
+def check_instance_settings(data_root, instance_prompt) -> None:
+    """ValueError naming the instance setting that is wrong."""
+    if not isinstance(data_root, str) or not os.path.isdir(data_root):
+        raise ValueError(f"data_root={data_root!r}: not a folder (the instance images)")
+    if not isinstance(instance_prompt, str) or not instance_prompt.strip():
+        raise ValueError(f"instance_prompt={instance_prompt!r}: expected the subject's caption")
+
+
+def class_images(class_data_root: str) -> list[str]:
+    """The images in the class folder, by name (none when it does not exist yet)."""
+    return _list_images(class_data_root) if os.path.isdir(class_data_root) else []
+
+
+def check_class_settings(
+    class_data_root,
+    class_prompt,
+    num_class_images,
+    prior_loss_weight,
+    class_model,
+    sample_steps,
+    sample_batch_size,
+) -> None:
+    """ValueError naming the first prior-preservation setting that is wrong (checked before
+    anything is drawn: by the drawing step, then by the dataset)."""
+    if not isinstance(class_data_root, str) or os.path.isfile(class_data_root):
+        raise ValueError(f"class_data_root={class_data_root!r}: expected a folder")
+    if not isinstance(class_prompt, str) or not class_prompt.strip():
+        raise ValueError(
+            f"class_prompt={class_prompt!r}: prior preservation needs the class's "
+            "caption (e.g. 'a photo of dog')"
+        )
+    if num_class_images is not None:
+        _positive("num_class_images", num_class_images, int)
+    _positive("prior_loss_weight", prior_loss_weight)
+    if class_model is not None and not (isinstance(class_model, dict) and "target" in class_model):
+        raise ValueError("class_model: expected a model config with a target, e.g. ${model}")
+    for name, value in (("sample_steps", sample_steps), ("sample_batch_size", sample_batch_size)):
+        _positive(name, value, int)
 
 
 def _positive(name: str, value, kind=(int, float)) -> None:
@@ -58,8 +96,8 @@ class DreamBooth(torch.utils.data.Dataset):
     instance_prompt: the caption of every instance image, with the rare token ("a sks dog").
     class_data_root: the folder of class images; None = no prior preservation (instance only).
     class_prompt: the caption of the class images ("a dog"); needed with class_data_root.
-    num_class_images: class images to use (the first, by name); with `class_model` the missing
-        ones are generated. Default: those in class_data_root (which must then hold some).
+    num_class_images: class images to use (the first, by name); with `class_model` the launcher
+        draws the missing ones first (lun.prior_images). Default: those in class_data_root.
     prior_loss_weight: lambda of eq. 2, the weight of the class images' loss (diffusers: 1.0).
     class_model: the model config (`target`/`params`) to draw missing class images with - the
         base model, usually `${model}` (a LoRA starts as the base). Drawn at `size`, DDIM with
@@ -87,10 +125,7 @@ class DreamBooth(torch.utils.data.Dataset):
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
     ):
         # Every value is checked before anything is drawn or the run folder exists.
-        if not isinstance(data_root, str) or not os.path.isdir(data_root):
-            raise ValueError(f"data_root={data_root!r}: not a folder (the instance images)")
-        if not isinstance(instance_prompt, str) or not instance_prompt.strip():
-            raise ValueError(f"instance_prompt={instance_prompt!r}: expected the subject's caption")
+        check_instance_settings(data_root, instance_prompt)
         self.size, self.flip_p, self.max_image_pixels = size, flip_p, max_image_pixels
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
@@ -101,28 +136,29 @@ class DreamBooth(torch.utils.data.Dataset):
             raise ValueError(f"data_root={data_root!r}: no images in it")
         self.class_images: list[str] = []
         if class_data_root is not None:
-            self._check_class_settings(class_data_root, num_class_images, class_model)
-            for name, value in (
-                ("sample_steps", sample_steps),
-                ("sample_batch_size", sample_batch_size),
-            ):
-                _positive(name, value, int)
-            found = _list_images(class_data_root) if os.path.isdir(class_data_root) else []
+            check_class_settings(
+                class_data_root,
+                class_prompt,
+                num_class_images,
+                prior_loss_weight,
+                class_model,
+                sample_steps,
+                sample_batch_size,
+            )
+            found = class_images(class_data_root)
             wanted = num_class_images or len(found)
-            if len(found) < wanted and class_model is None:
+            if len(found) < wanted:
+                way = (
+                    "draw them first: lun.prior_images.draw_missing_class_images(data config), "
+                    "as main.py does before building the data"
+                    if class_model is not None
+                    else "add images, or set class_model (e.g. ${model}) to draw the rest from "
+                    "the base model"
+                )
                 raise ValueError(
                     f"class_data_root={class_data_root!r}: {len(found)} images, "
-                    f"num_class_images={wanted}; add images, or set class_model (e.g. ${{model}}) "
-                    "to draw the rest from the base model"
+                    f"num_class_images={wanted}; {way}"
                 )
-            if len(found) < wanted:
-                sampling = types.SimpleNamespace(
-                    steps=sample_steps, scale=sample_scale, batch_size=sample_batch_size
-                )
-                draw_class_images(
-                    class_model, class_data_root, class_prompt, wanted, size, sampling
-                )
-                found = _list_images(class_data_root)
             self.class_images = found[:wanted]
         elif class_prompt is not None or num_class_images is not None:
             raise ValueError(
@@ -134,22 +170,6 @@ class DreamBooth(torch.utils.data.Dataset):
         logger.info(
             "%s: %d instance images%s", data_root, len(self.instance_images), prior * self.prior
         )
-
-    def _check_class_settings(self, class_data_root, num_class_images, class_model) -> None:
-        if not isinstance(class_data_root, str) or os.path.isfile(class_data_root):
-            raise ValueError(f"class_data_root={class_data_root!r}: expected a folder")
-        if not isinstance(self.class_prompt, str) or not self.class_prompt.strip():
-            raise ValueError(
-                f"class_prompt={self.class_prompt!r}: prior preservation needs the class's "
-                "caption (e.g. 'a photo of dog')"
-            )
-        if num_class_images is not None:
-            _positive("num_class_images", num_class_images, int)
-        _positive("prior_loss_weight", self.prior_loss_weight)
-        if class_model is not None and not (
-            isinstance(class_model, dict) and "target" in class_model
-        ):
-            raise ValueError("class_model: expected a model config with a target, e.g. ${model}")
 
     @property
     def prior(self) -> bool:
@@ -212,62 +232,3 @@ class DreamBooth(torch.utils.data.Dataset):
         self._load(self.instance_images, 0, 0)
         if self.prior:
             self._load(self.class_images, 0, len(self.instance_images))
-
-
-# --- class images from the base model ----------------------------------------------------------
-@torch.no_grad()
-def draw_class_images(
-    model_config: dict, folder: str, prompt: str, count: int, size: int, sampling
-) -> list[str]:
-    """Fill `folder` up to `count` images of `prompt`, drawn by the model `model_config` builds
-    (its `ckpt_path` loaded): image i is `class-<i>.png` from seed i, so an interrupted run
-    continues with the same images. Each file is written whole (temporary name, then renamed),
-    with its parameters in the PNG text chunk as txt2img writes them. Returns the new paths."""
-    from ldm.checkpoint import file_hash
-    from ldm.util import instantiate_from_config
-    from lun.generation import a1111_parameters, pick_device, save_png, starting_noise, to_pil
-
-    os.makedirs(folder, exist_ok=True)
-    missing = count - len(_list_images(folder))
-    todo = []  # (seed, path) of the first free names
-    for i in itertools.count():
-        if len(todo) >= missing:
-            break
-        path = os.path.join(folder, CLASS_IMAGE_NAME.format(i))
-        if not os.path.exists(path):
-            todo.append((i, path))
-    if not todo:
-        return []
-    device = pick_device(None)
-    logger.info("drawing %d class images of %r into %s on %s", len(todo), prompt, folder, device)
-    model = instantiate_from_config(model_config).eval().to(device)
-    ckpt = (model_config.get("params") or {}).get("ckpt_path")
-    model_hash = file_hash(ckpt) if ckpt else "none"
-    latent_shape = model.latent_shape(size, size)
-    args = types.SimpleNamespace(
-        sampler="ddim", karras=False, steps=sampling.steps, scale=sampling.scale
-    )
-    written = []
-    for first in range(0, len(todo), sampling.batch_size):
-        chunk = todo[first : first + sampling.batch_size]
-        seeds = [i for i, _ in chunk]
-        images = model.sample(
-            [prompt] * len(chunk),
-            height=size,
-            width=size,
-            sampler="ddim",
-            steps=sampling.steps,
-            scale=sampling.scale,
-            noise=starting_noise(seeds, latent_shape, device),
-        )
-        for (seed, path), image in zip(chunk, images):
-            # hidden (the folder listing skips it) and still a .png for PIL
-            temporary = os.path.join(
-                folder, "." + os.path.basename(path).replace(".png", ".tmp.png")
-            )
-            params = a1111_parameters(prompt, "", args, seed, size, size, model_hash)
-            save_png(to_pil(image), temporary, params)
-            os.replace(temporary, path)  # a crash leaves no half image that counts as one
-            written.append(path)
-        logger.info("class images: %d of %d drawn", len(written), len(todo))
-    return written

@@ -14,7 +14,7 @@ encodes each item once into sharded `.safetensors` files; training then reads th
 What is stored: per image and bucket size, the VAE posterior's moments (mean and log-variance,
 (2C, h, w), in the VAE's own units), so training still draws a new latent from the posterior at
 every step (`LatentDiffusion` samples it from the training seed stream, as online encoding does)
-- or, with `--sample`, one latent drawn once and multiplied by the scale factor (C, h, w). With a
+- or, with `--sample`, one latent drawn once, as the backbone sees it ((z - shift) * scale, C, h, w). With a
 horizontal flip (`flip_p > 0`) both orientations are stored and the flip is drawn per step, as
 online. With `--text` and a frozen text encoder, its outputs per caption (`context`).
 
@@ -46,13 +46,12 @@ from safetensors import safe_open
 from torch.utils.data import Dataset
 
 from ldm.util import instantiate_from_config
+from lun.contract import LatentModel
 
 logger = logging.getLogger("lun.data")
 
 FORMAT, VERSION, INDEX = "lun-latent-cache", 1, "index.json"
 KINDS = ("posterior", "sample")
-# Attributes of a module that do not change what it computes for a cached input.
-NOT_IN_FINGERPRINT = {"training", "trainable", "ucg_rate"}
 
 
 def hash_json(value) -> str:
@@ -66,28 +65,6 @@ def file_sha256(path: str) -> str:
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()
-
-
-def module_fingerprint(module: torch.nn.Module) -> str:
-    """Hash of a module's class, plain settings (max_length, layer, ...) and every tensor of its
-    state dict (names, dtypes, shapes, bytes): equal exactly when it computes the same function."""
-    digest = hashlib.blake2b(digest_size=16)
-    kind = type(module)
-    settings = {
-        name: value
-        for name, value in vars(module).items()
-        if not name.startswith("_")
-        and name not in NOT_IN_FINGERPRINT
-        and isinstance(value, str | int | float | bool | type(None))
-    }
-    digest.update(
-        json.dumps([kind.__module__, kind.__qualname__, settings], sort_keys=True).encode()
-    )
-    for name, tensor in sorted(module.state_dict().items()):
-        tensor = tensor.detach().to("cpu").contiguous()
-        digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -131,6 +108,8 @@ def latent_key(model: dict, settings: dict, size, flip: bool, image_sha: str) ->
             "first_stage": model["first_stage"],
             "kind": model["kind"],
             "scale_factor": model["scale_factor"],
+            # Only where the first stage has a shift (SD3): older caches' keys stay valid.
+            **({"shift_factor": model["shift_factor"]} if model.get("shift_factor") else {}),
             **settings,
             "size": list(size),
             "flip": flip,
@@ -300,21 +279,21 @@ class CachedLatents(Dataset):
             )
         return substitute
 
-    def check_model(self, model) -> None:
+    def check_model(self, model: LatentModel) -> None:
         """ValueError unless `model`'s VAE, scale factor (and frozen text encoder, when its
         outputs are read) are the ones the cache was made with. The launcher calls it before
         the run folder exists. A trainable text encoder ignores the cached text."""
-        checks = [("first_stage", model.first_stage_model, "first-stage (VAE) weights")]
-        conditioner = model.conditioner
-        if self.text and getattr(conditioner, "trainable", True):
+        if self.text and not model.caption_conditioning_frozen:
             self.text = False
             logger.info("cache %s: the text encoder trains, cached text unused", self.cache_dir)
-        if self.text:
-            checks.append(("text", conditioner, "text encoder"))
-        if float(model.scale_factor) != float(self.model["scale_factor"]):
-            checks = [("scale_factor", None, "scale_factor")]
-        for name, module, what in checks:
-            if module is None or module_fingerprint(module) != self.model[name]:
+        found = model.cache_fingerprint(text=self.text)
+        checks = [("first_stage", "first-stage (VAE) weights")]
+        checks += [("text", "text encoder")] if self.text else []
+        for name in ("scale_factor", "shift_factor"):  # before the weights: the line names it
+            if float(found.get(name, 0.0)) != float(self.model.get(name, 0.0)):
+                checks = [(name, name)]
+        for name, what in checks:
+            if found.get(name) != self.model.get(name):
                 made_with = " ".join(self.index.get("made_with") or ["<configs>"])
                 raise ValueError(
                     f"cache={self.cache_dir!r}: all {len(self)} items were cached with another "
@@ -362,7 +341,7 @@ class CachedLatents(Dataset):
         return {**self.__dict__, "_files": {}}  # open files stay in their process
 
 
-def check_cached_data(data, model) -> None:
+def check_cached_data(data, model: LatentModel) -> None:
     """The launcher's check that every cached dataset of `data` matches `model` (ValueError)."""
     for dataset in getattr(data, "datasets", {}).values():
         if isinstance(dataset, CachedLatents):

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ldm.checkpoint import save_safetensors
+from lun.contract import LatentModel
 from lun.data.images import ImageError, load_image_tensor
 from lun.data.latent_cache import (
     FORMAT,
@@ -187,35 +188,31 @@ def _batches(shards, batch_size: int) -> list[tuple[int, list[Unit]]]:
 
 
 @torch.no_grad()
-def encode_images(model, images: torch.Tensor, units: list[Unit], kind: str) -> dict:
+def encode_images(model: LatentModel, images: torch.Tensor, units: list[Unit], kind: str) -> dict:
     """The entries of a batch of images: posterior moments (2C, h, w) in the VAE's units, or
-    (`kind` "sample") one latent drawn with a generator seeded by its key, times scale_factor."""
-    vae = model.first_stage_model
-    weight = next(vae.parameters())
+    (`kind` "sample") one latent drawn with a generator seeded by its key, as model latents."""
     out = {}
     orientations = [images, images.flip(-1)] if len(units[0].keys) == 2 else [images]
-    with torch.autocast(images.device.type, enabled=False):
-        for side, x in enumerate(orientations):
-            posterior = vae.encode(x.to(weight.device, weight.dtype))
-            moments = torch.cat([posterior.mean, posterior.logvar], dim=1).float()
-            for j, unit in enumerate(units):
-                key = unit.keys[side]
-                if kind == "posterior":
-                    out[key] = moments[j].cpu().clone()
-                else:  # reproducible on any rank and after a resume: seeded by the entry's key
-                    generator = torch.Generator(moments.device).manual_seed(int(key[:15], 16))
-                    mean, logvar = moments[j].chunk(2)
-                    noise = torch.randn(mean.shape, generator=generator, device=mean.device)
-                    z = mean + torch.exp(0.5 * logvar) * noise
-                    out[key] = (z * float(model.scale_factor)).cpu().clone()
+    for side, x in enumerate(orientations):
+        moments = model.first_stage_moments(x)
+        for j, unit in enumerate(units):
+            key = unit.keys[side]
+            if kind == "posterior":
+                out[key] = moments[j].cpu().clone()
+            else:  # reproducible on any rank and after a resume: seeded by the entry's key
+                generator = torch.Generator(moments.device).manual_seed(int(key[:15], 16))
+                mean, logvar = moments[j].chunk(2)
+                noise = torch.randn(mean.shape, generator=generator, device=mean.device)
+                z = mean + torch.exp(0.5 * logvar) * noise
+                out[key] = model.to_model_latents(z).cpu().clone()
     return out
 
 
 @torch.no_grad()
-def encode_texts(model, dataset, units: list[Unit]) -> tuple[dict, list[str]]:
-    """The conditioner's fields (crossattn, ...) of the units' captions, as `{key}.{field}`."""
+def encode_texts(model: LatentModel, dataset, units: list[Unit]) -> tuple[dict, list[str]]:
+    """The conditioning fields (crossattn, ...) of the units' captions, as `{key}.{field}`."""
     captions = [dataset.caption(u.item) for u in units]
-    cond = model.conditioner.condition({"caption": captions}, drop=False)
+    cond = model.encode_captions(captions)
     out = {}
     for field_name, value in cond.items():
         for j, unit in enumerate(units):
@@ -224,7 +221,13 @@ def encode_texts(model, dataset, units: list[Unit]) -> tuple[dict, list[str]]:
 
 
 def build_shards(
-    plan: Plan, dataset, model, rank: int, world_size: int, batch_size: int, workers: int
+    plan: Plan,
+    dataset,
+    model: LatentModel,
+    rank: int,
+    world_size: int,
+    batch_size: int,
+    workers: int,
 ) -> None:
     """Encode and write this rank's shards that are not on disk yet."""
     mine = [

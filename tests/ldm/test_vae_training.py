@@ -418,7 +418,7 @@ def test_first_stage_trainable_is_accepted_and_the_vae_stays_frozen(caplog):
         "target": "ldm.models.autoencoder.AutoencoderKL",
         "params": {"lossconfig": lossconfig()},
     }
-    with caplog.at_level("WARNING", logger="ldm.util"):
+    with caplog.at_level("WARNING", logger="ldm.compat"):
         params = latent_diffusion_params(
             {"first_stage_trainable": True, "first_stage_config": first_stage}
         )

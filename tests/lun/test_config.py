@@ -2,13 +2,8 @@ import logging
 
 import pytest
 
-from lun.config import (
-    ConfigError,
-    check_complete,
-    merge_configs,
-    to_container,
-    translate_legacy_keys,
-)
+from lun.config import ConfigError, check_complete, merge_configs, to_container
+from lun.legacy import translate_legacy_keys
 
 
 def write(path, text):

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from ldm.util import instantiate_from_config
-from lun.config import merge_configs, to_container, translate_legacy_keys
+from lun.config import merge_configs, to_container
 from lun.data.local import Local
+from lun.legacy import translate_legacy_keys
 
 SIZE_KEYS = ("original_size_as_tuple", "crop_coords_top_left", "target_size_as_tuple")
 

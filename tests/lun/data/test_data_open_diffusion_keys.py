@@ -12,8 +12,9 @@ import logging
 import pytest
 from torch.utils.data import DataLoader
 
-from lun.config import ConfigError, merge_configs, to_container, translate_legacy_keys
+from lun.config import ConfigError, merge_configs, to_container
 from lun.data import DataModule
+from lun.legacy import translate_legacy_keys
 
 OPEN_DIFFUSION_PARAMS = {  # its template's block, the interpolations filled in
     "batch_size": 4,

@@ -8,8 +8,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ldm.util import instantiate_from_config
-from lun.config import merge_configs, to_container, translate_legacy_keys
+from lun.config import merge_configs, to_container
 from lun.data.webdataset import Parquet, WebDataset, check_filters, parse_filters
+from lun.legacy import translate_legacy_keys
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
-"""lun.data.dreambooth.DreamBooth: instance/class pairing, the collated batch, its checks, and the
-class images drawn by the base model (once)."""
+"""lun.data.dreambooth.DreamBooth: instance/class pairing, the collated batch, its checks (the
+class images are drawn before, by lun.prior_images: tests/lun/test_prior_images.py)."""
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -104,53 +103,17 @@ def test_bad_settings_are_refused_naming_the_key(tmp_path, change, message):
         DreamBooth(**{**params, **change})
 
 
-@pytest.mark.slow
-def test_class_images_are_drawn_by_the_base_model_once(tmp_path, tiny_config):
-    from lora_helpers import build
-
-    from ldm.checkpoint import save_safetensors
-    from lun.config import merge_configs, to_container
-    from lun.generation import starting_noise, to_pil
-
-    base = build(tiny_config, None)  # moved weights: images depend on them, and on the seed
-    save_safetensors(base.state_dict(), tmp_path / "base.safetensors")
-    model_config = to_container(merge_configs([tiny_config]))["model"]
-    model_config["params"]["ckpt_path"] = str(tmp_path / "base.safetensors")
-    class_root = tmp_path / "class"
-    folder(class_root, 1, BLUE)  # one given by the user: two more to draw
+def test_the_dataset_reads_a_folder_and_never_draws(tmp_path):
+    """With `class_model` and too few class images, the dataset (built without the launcher's
+    drawing step) names the step instead of building a model."""
     params = {
         "data_root": folder(tmp_path / "sks", 1, RED),
         "instance_prompt": "a sks circle",
-        "class_data_root": str(class_root),
+        "class_data_root": folder(tmp_path / "class", 1, BLUE),
         "class_prompt": "a circle",
-        "num_class_images": 3,
-        "class_model": model_config,
-        "sample_steps": 2,
-        "sample_scale": 3.0,
-        "size": 16,
+        "num_class_images": 2,
+        "class_model": {"target": "not.a.Model"},  # would fail if it were built
+        "size": 8,
     }
-    data = DreamBooth(**params)
-    drawn = sorted(class_root.glob("class-*.png"))
-    assert [p.name for p in drawn] == ["class-00000.png", "class-00001.png"]
-    assert len(data.class_images) == 3 and not list(class_root.glob(".*"))  # no temporary left
-    with Image.open(drawn[1]) as image:
-        assert image.text["parameters"].startswith(
-            "a circle\nSteps: 2, Sampler: DDIM, CFG scale: 3.0, Seed: 1"
-        )
-        pixels = np.asarray(image)
-    # image 1 is the base model's sample from seed 1
-    noise = starting_noise([1], base.latent_shape(16, 16), torch.device("cpu"))
-    with torch.no_grad():
-        expected = base.eval().sample(
-            ["a circle"], steps=2, scale=3.0, height=16, width=16, noise=noise
-        )
-    assert np.abs(pixels.astype(int) - np.asarray(to_pil(expected[0])).astype(int)).max() <= 1
-
-    # the next run finds them: nothing drawn (a broken model config would fail if it were built)
-    stamps = [p.stat().st_mtime_ns for p in drawn]
-    DreamBooth(**{**params, "class_model": {"target": "not.a.Model"}})
-    assert [p.stat().st_mtime_ns for p in drawn] == stamps
-    # one lost: drawn again, the same image from the same seed
-    drawn[1].unlink()
-    DreamBooth(**params)
-    assert np.array_equal(np.asarray(Image.open(drawn[1])), pixels)
+    with pytest.raises(ValueError, match="1 images, num_class_images=2; draw them first: lun"):
+        DreamBooth(**params)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from PIL import Image
 
+from ldm.model_contract import module_fingerprint
 from lun.config import merge_configs, to_container
-from lun.data.latent_cache import file_sha256, item_keys, latent_key, module_fingerprint, text_key
+from lun.data.latent_cache import file_sha256, item_keys, latent_key, text_key
 from lun.data.local import Local
 from lun.trainer import build_model
 
