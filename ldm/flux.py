@@ -440,10 +440,11 @@ def lora_targets(model: Flux, modulation: bool = True) -> list[str]:
     """Names (in `model`) of the Linear layers LoRA adapts: every Linear of the double and single
     blocks, kohya's default Flux network (sd-scripts networks/lora_flux.py); `modulation=False`
     leaves out the adaLN `*_mod.lin` / `modulation.lin` layers."""
+    groups = {"double_blocks": model.double_blocks, "single_blocks": model.single_blocks}
     return [
-        name
-        for name, module in model.named_modules()
+        f"{group}.{name}"
+        for group, blocks in groups.items()
+        for name, module in blocks.named_modules()
         if isinstance(module, nn.Linear)
-        and name.startswith(("double_blocks.", "single_blocks."))
         and (modulation or not name.endswith("mod.lin") and not name.endswith("modulation.lin"))
     ]

@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from sd3_helpers import t5_tokenizer_folder  # noqa: E402
 
-from ldm.checkpoint import WrongFileError, check_family, model_family_of
+from ldm.checkpoint import WrongFileError, check_family
 from ldm.layout import family
 from ldm.layout import sd3 as layout
 from ldm.util import instantiate_from_config
@@ -71,7 +71,7 @@ def test_full_size_model_is_stabilitys_single_file(preset, tmp_path):
         k for k in state if not k.startswith(prefixes)
     ][:5]
     assert single_file_utils.infer_diffusers_model_type(state) == preset
-    assert model_family_of(model) == family.SD3
+    assert family.model_family(model) == family.SD3
 
     backbone = {k: v for k, v in state.items() if k.startswith(layout.BACKBONE)}
     converted = single_file_utils.convert_sd3_transformer_checkpoint_to_diffusers(dict(backbone))
@@ -96,16 +96,12 @@ def test_full_size_model_is_stabilitys_single_file(preset, tmp_path):
     expected.pop("encoder.embed_tokens.weight")  # tied to shared.weight: once in the file
     assert shapes(t5) == expected
 
-    # The VAE: diffusers' single-file VAE rule on our first_stage_model.* (until the SD3 VAE
-    # without quant convs lands, ours has them: issue 33.5 - compare the rest).
+    # The VAE: diffusers' single-file VAE rule on our first_stage_model.* (no quant convs).
     vae_file = {k: v for k, v in state.items() if k.startswith(layout.FIRST_STAGE)}
     vae = single_file_utils.convert_ldm_vae_checkpoint(vae_file, SD3_VAE)
     with torch.device("meta"):
         reference_vae = AutoencoderKL(**SD3_VAE)
-    quant = ("quant_conv.", "post_quant_conv.")
-    assert {k: v for k, v in shapes(vae).items() if not k.startswith(quant)} == shapes(
-        reference_vae.state_dict()
-    )
+    assert shapes(vae) == shapes(reference_vae.state_dict())
 
 
 @pytest.fixture(scope="module")
