@@ -73,12 +73,13 @@ class CompVisAPI:
         return cond["crossattn"] if set(cond) == {"crossattn"} else cond
 
     def get_first_stage_encoding(self, encoder_posterior) -> torch.Tensor:
-        """A posterior -> scaled latent sample (`scale_factor * z`), as the original.
+        """A posterior -> scaled latent sample (`scale_factor * z`, as the original; with a
+        first stage that has a shift, `(z - shift_factor) * scale_factor`: `scale_latents`).
 
         Our `encode_first_stage` already returns the scaled sample, so a tensor passes through
         unchanged: `get_first_stage_encoding(encode_first_stage(x))` is the original's value."""
         if isinstance(encoder_posterior, DiagonalGaussianDistribution):
-            return self.scale_factor * encoder_posterior.sample()
+            return self.scale_latents(encoder_posterior.sample())
         if isinstance(encoder_posterior, torch.Tensor):
             return encoder_posterior
         raise TypeError(f"encoder_posterior of type {type(encoder_posterior).__name__}")
