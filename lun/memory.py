@@ -503,7 +503,7 @@ def memory_plan(
     parts += quantization_state_part(model)  # bitsandbytes' scales: not parameters or buffers
     process = _process_part(model)  # before the probe, whose freed blocks the heap keeps
     how = "measured by one probe step"
-    if activations is None and (batch is None or not model.automatic_optimization):
+    if activations is None and (batch is None or model.steps_own_optimizers):
         # A module that steps its own optimizers (the VAE's GAN) cannot run a step without a
         # trainer: its activations are left out of the plan, and the plan says so.
         activations, how = 0, "not measured (no probe batch, or manual optimization)"
@@ -579,7 +579,7 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
         return out
 
     options = []
-    if getattr(getattr(model, "backbone", None), "use_checkpoint", None) is False:
+    if model.gradient_checkpointing is False:  # the contract: None when it has none
         options.append(
             {
                 "name": "gradient checkpointing",

@@ -490,7 +490,7 @@ class FSDPStrategy(LightningFSDPStrategy):
         super().setup_environment()
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        if not getattr(model, "automatic_optimization", True):
+        if getattr(model, "steps_own_optimizers", False):  # the contract's optimisation mode
             return self._shard_parts(model)
         frozen = _frozen_children(model)
         if frozen:

@@ -81,9 +81,8 @@ def _step_ends_at_backward(pl_module) -> bool:
     """Whether a training step's counted work ends with its backward: true under Lightning's
     automatic optimization (one backward per step); a manually optimised module (the VAE's
     generator and discriminator updates) may run more after a backward, so it is counted to the
-    end of the batch. The one place that reads the module's optimisation mode (until the model
-    contract states it)."""
-    return pl_module.automatic_optimization
+    end of the batch (the model contract's `steps_own_optimizers`)."""
+    return not pl_module.steps_own_optimizers
 
 
 def _synchronize(device: torch.device) -> None:

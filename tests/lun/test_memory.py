@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from ldm.model_contract import TrainingContract
 from lun.callbacks.ema import EMA
 from lun.memory import HOST, MemoryPlanError, memory_plan
 from lun.memory_probe import peak_allocated
@@ -17,7 +18,7 @@ BUFFER = 7  # a float buffer of the module itself
 ACTIVATIONS = 1000  # given: measured by the probe test below
 
 
-class PlanModule(pl.LightningModule):
+class PlanModule(TrainingContract, pl.LightningModule):
     def __init__(self):
         super().__init__()
         self.model = nn.Module()
@@ -144,7 +145,7 @@ def test_a_plan_over_budget_names_what_would_fit():
     plan.check()  # exactly at the limit: fits
 
 
-class Scale(pl.LightningModule):
+class Scale(TrainingContract, pl.LightningModule):
     """loss = sum(batch * w): the step's only large allocations are batch-sized (B, N) tensors,
     one at a time (the product in forward, the gradient's product in backward)."""
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+from ldm.model_contract import TrainingContract
 from lun.memory import memory_plan
 from lun.strategies import DeepSpeedStrategy, FSDPStrategy, sharding
 
@@ -28,7 +29,7 @@ N = 64 * 32 + 32  # trainable values: nn.Linear(64, 32)
 RANKS = 2
 
 
-class Tiny(pl.LightningModule):
+class Tiny(TrainingContract, pl.LightningModule):
     def __init__(self, optimizer=torch.optim.AdamW):
         super().__init__()
         self.model = nn.Module()

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+from ldm.model_contract import TrainingContract
+
 IMAGE_SIZE = 8
 
 
-class TinyDiffusion(pl.LightningModule):
+class TinyDiffusion(TrainingContract, pl.LightningModule):
     """A two-layer conv net trained to predict noise (x_t = sqrt(1-s) x + sqrt(s) eps)."""
 
     def __init__(self, learning_rate: float = 0.05):

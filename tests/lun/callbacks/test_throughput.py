@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
 
+from ldm.model_contract import TrainingContract
 from ldm.util import instantiate_from_config
 from lun.callbacks.epoch_stats import EpochStats
 from lun.callbacks.progress import SmoothedProgressBar
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[3]
 PEAK = 1e9  # an injected peak FLOP/s: MFU is then exactly flops x img/s / 1e9
 
 
-class TwoLinear(pl.LightningModule):
+class TwoLinear(TrainingContract, pl.LightningModule):
     """Linear(16, 32) -> ReLU -> Linear(32, 8): FLOPs that can be counted by hand."""
 
     def __init__(self):
@@ -165,7 +166,7 @@ def test_flops_of_the_tiny_ldm_step_are_its_parts_counted_alone(fit):
 def test_flops_of_a_tiny_dit_are_its_forward_and_backward(fit):
     from ldm.dit import DiT
 
-    class DiTStep(pl.LightningModule):
+    class DiTStep(TrainingContract, pl.LightningModule):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)

@@ -10,6 +10,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import OmegaConf
 
 from ldm.util import instantiate_from_config
+from ldm.model_contract import TrainingContract
 
 
 def _config(root, **params):
@@ -93,7 +94,7 @@ def test_ddp_without_disabling_lightnings_sampler_injection_is_a_clear_error(fla
     assert len(datamodule.train_dataloader()) == 2  # 6 items, 3 batches, split over 2 ranks
 
 
-class Recorder(L.LightningModule):
+class Recorder(TrainingContract, L.LightningModule):
     """Records the captions of every training batch."""
 
     def __init__(self):
