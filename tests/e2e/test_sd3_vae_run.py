@@ -11,7 +11,8 @@ from run_helpers import ROOT, run_main, run_main_here
 from safetensors.torch import load_file
 
 from ldm.autoencoder import AutoencoderKL
-from ldm.checkpoint import EMA_SCALARS, ema_key, save_safetensors
+from ldm.checkpoint import save_safetensors
+from ldm.layout.ema import EMA_SCALARS, ema_key
 
 SD3_VAE = ROOT / "configs" / "sd3" / "vae-finetune.yaml"
 SD_VAE = ROOT / "configs" / "autoencoder" / "sd-vae-finetune.yaml"
