@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         [py, "-m", "ruff", "format", "--check", "."],
         [py, "-m", "pytest", "-q"],
     ]
-    # tests/test_lock.py checks the installed versions against the candidate, not the old lock
+    # tests/project/test_lock.py checks the installed versions against the candidate, not the old lock
     env = {**os.environ, "LUN_LOCK_FILE": str(NEXT)}
     green = all(run(check, env=env).returncode == 0 for check in checks)
     if not args.keep_venv:

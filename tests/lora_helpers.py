@@ -3,7 +3,7 @@
 import torch
 
 from ldm import lora
-from ldm.layout.peft import is_adapter_name
+from ldm.layout.peft import LORA_PREFIX, is_adapter_name
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
 
@@ -46,3 +46,42 @@ def unet_output(model, seed: int = 2):
     context = torch.randn(2, 77, 32, generator=generator)
     with torch.no_grad():
         return model.apply_model(x, t, {"crossattn": context})
+
+
+# --- our LoRA model beside diffusers' pipeline of the same base (interop tests) ----------------
+
+PROMPT = "a red circle on a blue background"
+
+
+def pipeline_of_base(model, tiny_config, folder):
+    """A diffusers pipeline of `model`'s base weights, made by our --to-diffusers export."""
+    import convert  # scripts/convert.py
+    import diffusers
+
+    saved = {"state_dict": model.state_dict()}
+    lora.save_layout(model, saved)
+    base = {k: v for k, v in saved["state_dict"].items() if not k.startswith(LORA_PREFIX)}
+    convert.export_diffusers(base, to_container(merge_configs([tiny_config])), folder)
+    return diffusers.StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
+
+
+def outputs_of_ours(model, x, t, context):
+    with torch.no_grad():
+        return model.apply_model(x, t, {"crossattn": context}), model.conditioner([PROMPT])
+
+
+def outputs_of_pipeline(pipe, x, t, context):
+    with torch.no_grad():
+        unet = pipe.unet(x, t, encoder_hidden_states=context).sample
+        tokens = pipe.tokenizer([PROMPT], padding="max_length", max_length=77, return_tensors="pt")
+        text = pipe.text_encoder(tokens.input_ids).last_hidden_state
+    return unet, text
+
+
+def inputs(seed: int = 4):
+    generator = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(2, 4, 8, 8, generator=generator),
+        torch.tensor([20, 700]),
+        torch.randn(2, 77, 32, generator=generator),
+    )

@@ -90,7 +90,7 @@ def tiny_sdxl(seed: int = 0, extra: list | None = None):
 
 
 def trained_scale_weights(model: torch.nn.Module, seed: int) -> None:
-    """Norms ~1, biases ~0.2, weights ~1/sqrt(fan_in) (tests/test_diffusers_folder_e2e.py's
+    """Norms ~1, biases ~0.2, weights ~1/sqrt(fan_in) (tests/e2e/test_diffusers_folder_e2e.py's
     rule, plus the 0-dim `logit_scale`)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

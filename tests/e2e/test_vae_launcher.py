@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from ldm.autoencoder import AutoencoderKL
 from ldm.autoencoder_training import autoencoder_kl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(  # the configs whose model is an autoencoder, wherever they are
     p
     for p in (ROOT / "configs").glob("**/*.yaml")
@@ -81,7 +81,7 @@ def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
 ):
     """Two optimizers by manual optimization: not under DeepSpeed (one optimizer), and under DDP
     only with find_unused_parameters (configs/lightning/ddp.yaml has it false). FSDP runs
-    (tests/test_vae_resume.py)."""
+    (tests/e2e/test_vae_resume.py)."""
     logs = tmp_path / "logs"
     args = ["--base", str(ROOT / "configs" / "autoencoder" / "tiny.yaml")]
     if strategy == "ddp":
@@ -100,7 +100,7 @@ def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
 
 
 def test_fsdp_resume_is_refused_in_one_line():
-    """FSDP trains the VAE (tests/test_vae_resume.py), but its checkpoints' optimizer states do
+    """FSDP trains the VAE (tests/e2e/test_vae_resume.py), but its checkpoints' optimizer states do
     not match the weights: `--resume` under FSDP stops with a config error naming the way out."""
     from lun.config import ConfigError
     from lun.run import check_strategy_fits

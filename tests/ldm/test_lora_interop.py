@@ -4,55 +4,28 @@ The pipeline is built from our `--to-diffusers` export of the base weights (diff
 adapters have random nonzero lora_B and moved DoRA magnitudes, so a wrong name, a swapped
 up/down, a lost alpha or a skipped group shows up in the outputs."""
 
-import convert
 import pytest
 import torch
-from lora_helpers import LOCON_DORA, build, randomize_adapters
+from lora_helpers import (
+    LOCON_DORA,
+    build,
+    inputs,
+    outputs_of_ours,
+    outputs_of_pipeline,
+    pipeline_of_base,
+    randomize_adapters,
+)
 from safetensors.torch import load_file, save_file
 
 from ldm import lora
-from ldm.layout.peft import LORA_PREFIX
-from lun.config import merge_configs, to_container
 
 diffusers = pytest.importorskip("diffusers")
 
-PROMPT = "a red circle on a blue background"
 SETTINGS = {
     "lora": "{rank: 4, alpha: 2, text_encoder: {rank: 2, alpha: 1}}",
     "locon": "{rank: 2, alpha: 1, targets: [attn, proj, ff, conv], conv_rank: 3, conv_alpha: 6}",
     "locon-dora": LOCON_DORA,
 }
-
-
-def pipeline_of_base(model, tiny_config, folder):
-    """A diffusers pipeline of `model`'s base weights, made by our --to-diffusers export."""
-    saved = {"state_dict": model.state_dict()}
-    lora.save_layout(model, saved)
-    base = {k: v for k, v in saved["state_dict"].items() if not k.startswith(LORA_PREFIX)}
-    convert.export_diffusers(base, to_container(merge_configs([tiny_config])), folder)
-    return diffusers.StableDiffusionPipeline.from_pretrained(folder, local_files_only=True)
-
-
-def outputs_of_ours(model, x, t, context):
-    with torch.no_grad():
-        return model.apply_model(x, t, {"crossattn": context}), model.conditioner([PROMPT])
-
-
-def outputs_of_pipeline(pipe, x, t, context):
-    with torch.no_grad():
-        unet = pipe.unet(x, t, encoder_hidden_states=context).sample
-        tokens = pipe.tokenizer([PROMPT], padding="max_length", max_length=77, return_tensors="pt")
-        text = pipe.text_encoder(tokens.input_ids).last_hidden_state
-    return unet, text
-
-
-def inputs(seed: int = 4):
-    generator = torch.Generator().manual_seed(seed)
-    return (
-        torch.randn(2, 4, 8, 8, generator=generator),
-        torch.tensor([20, 700]),
-        torch.randn(2, 77, 32, generator=generator),
-    )
 
 
 # diffusers' kohya converter drops DoRA's dora_scale ("not compatible in Diffusers"): kohya DoRA

@@ -2,7 +2,7 @@
 
 A refused, damaged or missing input is one line on stderr naming the file, exit status 2; a
 failed write is the system's words and the output path ("No space left on device (<path>)"),
-exit status 1. (Checkpoints holding code: tests/test_safe_loading.py.)
+exit status 1. (Checkpoints holding code: tests/ldm/test_safe_load.py.)
 """
 
 import errno

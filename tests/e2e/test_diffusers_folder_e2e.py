@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from PIL import Image
 from run_helpers import load_main
 from swap_vae import main as swap_vae
-from test_vae_diffusers import assert_decodes_like, trained  # noqa: F401 (fixture)
+from vae_helpers import assert_decodes_like, trained  # noqa: F401 (fixture)
 
 from ldm import checkpoint
 from ldm.text_encoder import bpe_vocab_path, bytes_to_unicode, clip_vocab_and_merges

@@ -1,7 +1,7 @@
 """A LoRA run resumes exactly: N straight steps equal k steps + kill -9 + `--resume` + N - k steps,
 bit for bit, in the adapter weights, the optimizer's moments and the EMA of the adapters.
 
-tests/test_resume.py's launcher runs (demo config made tiny, caption dropout, flips, offset
+tests/e2e/test_resume.py's launcher runs (demo config made tiny, caption dropout, flips, offset
 noise, warm-up + cosine, EMA, AdamW) with LoRA, LoCon and DoRA on the UNet and LoRA on the text
 encoder, from a "pretrained" base (`ckpt_path`: a from-scratch UNet's zero output layer would
 give the adapters no gradient, and DoRA's row norms of zero-initialised layers are 0). Its helper

@@ -2,7 +2,7 @@
 2 processes (DDP, gloo) give the single process's figures; `main.py --validate-only` prints them
 for a checkpoint and writes nothing into its run folder. Also the script the 2 processes run:
 
-    torchrun --nproc-per-node 2 tests/test_validation_run.py SHAPES_DIR OUT.json
+    torchrun --nproc-per-node 2 tests/e2e/test_validation_run.py SHAPES_DIR OUT.json
 """
 
 import json
@@ -22,7 +22,7 @@ from lun.callbacks.ema import EMA
 from lun.config import merge_configs, to_container
 from lun.data import DataModule
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
 
 

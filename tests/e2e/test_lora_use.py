@@ -18,8 +18,8 @@ import torch
 import txt2img
 from lora_helpers import build, randomize_adapters
 from PIL import Image
+from png_helpers import parse_a1111_parameters
 from safetensors.torch import save_file
-from test_png_parameters import parse_a1111_parameters
 
 from ldm import checkpoint, lora
 
@@ -127,8 +127,8 @@ def test_a_diffusers_format_file_written_by_diffusers_merges_to_its_outputs(tmp_
     behind `--lora`, our model gives diffusers' outputs at weight 1, and half the change at 0.5
     on the text encoder (a linear layer of the merge)."""
     pytest.importorskip("diffusers")
+    from lora_helpers import inputs, outputs_of_ours, outputs_of_pipeline, pipeline_of_base
     from peft import LoraConfig, get_peft_model_state_dict
-    from test_lora_interop import inputs, outputs_of_ours, outputs_of_pipeline, pipeline_of_base
 
     from lun.lora_use import apply_loras, parse_specs
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 import txt2img
 from PIL import Image
+from png_helpers import parse_a1111_parameters
 from safetensors.torch import save_file
-from test_png_parameters import parse_a1111_parameters
 
 from ldm.autoencoder import AutoencoderKL
 from ldm.util import instantiate_from_config

@@ -142,7 +142,7 @@ def load_into(pipe, lora_file) -> None:
 
 
 def test_diffusers_sdxl_pipeline_loads_our_files_and_draws_our_txt2img_images(tmp_path, files):
-    """Same seed, DDIM steps, guidance and size conditioning as tests/test_sdxl_export.py; the
+    """Same seed, DDIM steps, guidance and size conditioning as tests/ldm/test_sdxl_export.py; the
     kohya file and the diffusers-format file in turn on one pipeline."""
     pipe = diffusers.StableDiffusionXLPipeline.from_pretrained(
         files["pipeline"], local_files_only=True
@@ -172,7 +172,7 @@ def test_diffusers_sdxl_pipeline_loads_our_files_and_draws_our_txt2img_images(tm
         ).images[0]
         pipe.unload_lora_weights()
         ours = our_image(files, tmp_path, files[kind])
-        # tests/test_sdxl_export.py's tolerance: 2e-3 of the range, plus the PNG's rounding.
+        # tests/ldm/test_sdxl_export.py's tolerance: 2e-3 of the range, plus the PNG's rounding.
         np.testing.assert_allclose(ours, theirs, atol=2e-3 + 0.5 / 255, rtol=0, err_msg=kind)
     assert np.abs(ours - our_image(files, tmp_path, None)).max() > 0.05  # the LoRA shows
 

@@ -36,7 +36,7 @@ def trains_a_vae(path: Path) -> bool:
     return "autoencoder" in str(OmegaConf.select(OmegaConf.load(path), "model.target", default=""))
 
 
-# The autoencoder configs train another module (no UNet): tests/test_vae_launcher.py runs them.
+# The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
 # A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
 TINY_WIDTH = 32

@@ -1,5 +1,5 @@
 """configs/tiny/: one small config per family, each trained on a plain folder of the user's own
-images by `data_root` alone (tests/test_configs.py trains every one of them), sampled at the size
+images by `data_root` alone (tests/e2e/test_configs.py trains every one of them), sampled at the size
 it trains at, and each shown in docs/tiny-configs.md."""
 
 from pathlib import Path
