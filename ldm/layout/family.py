@@ -27,10 +27,11 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ldm.layout import sd3
+from ldm.layout import flux, sd3
 
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
 SD3 = "SD 3"  # SD 3 / 3.5 (MMDiT): ldm.layout.sd3's keys
+FLUX = "Flux.1"  # dev / schnell (BFL names, ldm.layout.flux); ComfyUI's files share SD3's text_encoders.
 
 BACKBONE = "model.diffusion_model."
 _DIT_KEYS = ("x_embedder.", "t_embedder.")
@@ -62,6 +63,8 @@ def model_family(keys: Iterable[str]) -> str | None:
     keys = list(keys)
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA
+    if flux.is_flux(dict.fromkeys(keys)):  # before SD3: both use text_encoders.*
+        return FLUX
     if sd3.is_sd3(keys):  # before DiT: an MMDiT has x_embedder / t_embedder too
         return SD3
     if any(k.removeprefix(BACKBONE).startswith(_DIT_KEYS) for k in keys):
@@ -84,6 +87,8 @@ def diffusers_family(folder: str | Path) -> str | None:
         name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
     except (OSError, ValueError):
         return None
+    if name.startswith("Flux"):
+        return FLUX
     if name.startswith("StableDiffusion3"):
         return SD3
     if "XL" in name:
