@@ -108,14 +108,14 @@ def test_guidance_reaches_the_backbone_and_schnell_has_none(t5_folder):
 
 
 def test_dropout_trains_on_the_empty_caption(t5_folder):
-    cond = conditioner(t5_folder, drop_rate=0.5)
+    cond = conditioner(t5_folder, drop_rate=0.25)
     empty = cond.unconditional({"caption": PROMPTS})
     captions = {"caption": ["a photo of a cat"] * 400}
     out = cond.condition(captions, torch.Generator().manual_seed(0), drop=True)
     dropped = (out["vector"] - empty["vector"][:1]).abs().sum(-1) == 0
     same_t5 = (out["crossattn"] - empty["crossattn"][:1]).abs().flatten(1).sum(-1) == 0
     assert torch.equal(dropped, same_t5)  # both encoders read ""
-    assert 160 < dropped.sum() < 240  # Binomial(400, 0.5): +-4 sigma
+    assert 65 < dropped.sum() < 135  # Binomial(400, 0.25): 100 +- 4 sigma (8.7)
     kept = cond.condition(captions)  # no drop outside training
     assert not ((kept["vector"] - empty["vector"][:1]).abs().sum(-1) == 0).any()
 
