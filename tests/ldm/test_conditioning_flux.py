@@ -150,3 +150,18 @@ def test_flux_family_against_sd3_and_sd1():
     assert family.model_family(["model.diffusion_model.joint_blocks.0.x"]) == family.SD3
     with pytest.raises(WrongFileError, match=r"^flux\.safetensors is a Flux\.1 checkpoint, expected an SD 3"):  # fmt: skip
         check_family("flux.safetensors", family.FLUX, family.SD3)
+
+
+def test_a_flux_file_into_an_sd3_model_and_the_reverse_are_one_line(tmp_path):
+    from ldm.checkpoint import load_weights, save_safetensors
+    from ldm.mmdit import MMDiT
+
+    flux = tiny_flux()
+    sd3 = MMDiT(depth=1, hidden_size=32, num_heads=2, in_channels=16, context_dim=48,
+                pooled_dim=40, pos_embed_max_size=16)  # fmt: skip
+    save_safetensors(flux.state_dict(), tmp_path / "flux1.safetensors")  # BFL's bare names
+    save_safetensors(sd3.state_dict(), tmp_path / "sd3.safetensors")
+    with pytest.raises(WrongFileError, match=r"flux1\.safetensors is a Flux\.1 checkpoint, expected an SD 3"):  # fmt: skip
+        load_weights(sd3, tmp_path / "flux1.safetensors")
+    with pytest.raises(WrongFileError, match=r"sd3\.safetensors is an SD 3 checkpoint, expected a Flux\.1"):  # fmt: skip
+        load_weights(flux, tmp_path / "sd3.safetensors")
