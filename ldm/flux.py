@@ -348,6 +348,11 @@ class Flux(nn.Module):
         """Recompute each block's activations in the backward pass (training only)."""
         self.use_checkpoint = enabled
 
+    def lora_targets(self) -> list[str]:
+        """The Linear layers LoRA adapts in this backbone (`lora_targets` below; ldm.lora asks
+        a backbone that has this method instead of matching UNet layer names)."""
+        return lora_targets(self)
+
     def patchify(self, x: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) -> (B, H/2 * W/2, C * 4), each patch channel-major (c, ph, pw), patches
         in raster order (BFL's "b c (h ph) (w pw) -> b (h w) (c ph pw)")."""

@@ -28,11 +28,12 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ldm.layout import original, sd3
+from ldm.layout import flux, original, sd3
 from ldm.layout.dit import DIT_KEYS, file_state_keys
 
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
 SD3 = "SD 3"  # SD 3 / 3.5 (MMDiT): ldm.layout.sd3's keys
+FLUX = "Flux.1"  # dev / schnell (BFL names, ldm.layout.flux); ComfyUI's files share SD3's text_encoders.
 
 _TEXT_ENCODERS = (
     (original.SGM_EMBEDDERS, SDXL),
@@ -69,6 +70,8 @@ def model_family(source) -> str | None:
     keys = list(source)
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA
+    if flux.is_flux(dict.fromkeys(keys)):  # before SD3: both use text_encoders.*
+        return FLUX
     if sd3.is_sd3(keys):  # before DiT: an MMDiT has x_embedder / t_embedder too
         return SD3
     if any(k.removeprefix(original.UNET_PREFIX).startswith(DIT_KEYS) for k in keys):
@@ -106,6 +109,8 @@ def diffusers_family(folder: str | Path) -> str | None:
         name = json.loads((folder / "model_index.json").read_text()).get("_class_name", "")
     except (OSError, ValueError):
         return None
+    if name.startswith("Flux"):
+        return FLUX
     if name.startswith("StableDiffusion3"):
         return SD3
     if "XL" in name:

@@ -10,17 +10,22 @@ The list is a glob, so a new config is covered the day it is added. Each one run
   and runs in one CPU process (tests/lun/test_strategies.py runs them with 2);
 - SDXL configs (sgm's GeneralConditioner) get tests/sdxl_helpers.py's tiny SDXL;
 - DiT configs get a DiT of width 32 and depth 1, class-folder data the shapes as 18 classes, and a
-  VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE.
+  VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE;
+- SD3 and Flux configs get configs/sd3/tiny.yaml's / configs/flux/tiny.yaml's parts (Flux: a toy
+  T5 tokenizer folder, its T5 being required).
 """
 
+import functools
 import json
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import DictConfig, OmegaConf
 from run_helpers import ROOT, run_main, run_main_here
+from sd3_helpers import t5_tokenizer_folder
 from sdxl_helpers import tiny_sdxl_overrides
 
 from ldm.checkpoint import load_weights, save_safetensors
@@ -38,6 +43,20 @@ def trains_a_vae(path: Path) -> bool:
 
 # The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
+# LoRA on Flux needs ldm.lora to take the backbone's own targets (Flux.lora_targets) instead of
+# the UNet name groups; until that lands (issue 34.1, fluxmodel report) these fail by design.
+NEEDS_BACKBONE_LORA_TARGETS = {"flux1-dev-lora.yaml", "flux1-schnell-lora.yaml"}
+CONFIG_PARAMS = [
+    pytest.param(
+        p,
+        marks=pytest.mark.xfail(
+            strict=True, reason="ldm.lora does not ask Flux.lora_targets yet (issue 34.1)"
+        ),
+    )
+    if p.name in NEEDS_BACKBONE_LORA_TARGETS
+    else p
+    for p in CONFIGS
+]
 # A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
 TINY_WIDTH = 32
 
@@ -79,6 +98,8 @@ def tiny_model_overrides(model: DictConfig) -> list[str]:
         return tiny_dit_overrides(model)
     if unet.target.startswith("ldm.mmdit"):
         return tiny_sd3_overrides(model)
+    if unet.target.startswith("ldm.flux"):
+        return tiny_flux_overrides(model)
     if unet.params.model_channels <= TINY_WIDTH:
         return []
     if "conditioner_config" in params and params.conditioner_config.target.endswith(
@@ -172,6 +193,39 @@ def tiny_sd3_overrides(model: DictConfig) -> list[str]:
     return [
         f"model.params.backbone_config={json.dumps(tiny['backbone_config'])}",
         *(f"{text}.{k}={json.dumps(v)}" for k, v in tiny["conditioner_config"]["params"].items()),
+        f"{vae}.ch=32",
+        f"{vae}.ch_mult=[1,2]",
+        f"{vae}.num_res_blocks=1",
+        f"{vae}.resolution=32",
+    ]
+
+
+@functools.cache
+def tiny_t5_tokenizer() -> Path:
+    """One T5-like tokenizer folder for the Flux configs (their T5 is not optional)."""
+    return t5_tokenizer_folder(Path(tempfile.mkdtemp(prefix="lun_t5_tokenizer_")))
+
+
+def tiny_flux_overrides(model: DictConfig) -> list[str]:
+    """A Flux.1 config at toy size: configs/flux/tiny.yaml's transformer (dev's guidance input
+    or not, as the config's preset), VAE and text encoders (random, a toy T5 tokenizer); [] for
+    that tiny config itself."""
+    backbone = model.params.backbone_config
+    text = "model.params.conditioner_config.params"
+    if backbone.params.get("hidden_size", 3072) <= TINY_WIDTH:
+        return [f"{text}.t5xxl.tokenizer={tiny_t5_tokenizer()}"]
+    tiny = OmegaConf.to_container(
+        OmegaConf.load(ROOT / "configs" / "flux" / "tiny.yaml").model.params
+    )  # values as JSON, which a dotlist reads as YAML
+    tiny["backbone_config"]["params"]["guidance_embed"] = backbone.target.endswith("flux1_dev")
+    vae = "model.params.first_stage_config.params.ddconfig"
+    tiny_text = tiny["conditioner_config"]["params"]
+    return [
+        f"model.params.backbone_config={json.dumps(tiny['backbone_config'])}",
+        f"{text}.clip_l={json.dumps({'version': None, **tiny_text['clip_l']})}",
+        f"{text}.t5xxl={json.dumps({**tiny_text['t5xxl'], 'version': None})}",
+        f"{text}.t5xxl.tokenizer={tiny_t5_tokenizer()}",
+        f"{text}.t5_tokens={tiny_text['t5_tokens']}",
         f"{vae}.ch=32",
         f"{vae}.ch_mult=[1,2]",
         f"{vae}.num_res_blocks=1",
@@ -279,7 +333,7 @@ def train_two_steps(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+@pytest.mark.parametrize("config", CONFIG_PARAMS, ids=config_id)
 def test_every_config_trains_two_steps_through_the_launcher(
     config, tmp_path, shapes_dir, shape_classes_dir
 ):
