@@ -33,7 +33,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ldm.conditioning_sd3 import SD3CLIPEmbedder
+from ldm.conditioning_sd3 import SD3CLIPEmbedder, encoders_from_folders
 from ldm.text_encoder_t5 import FrozenT5Embedder
 
 CAPTION_KEY = "caption"
@@ -123,20 +123,4 @@ class FluxConditioner(nn.Module):
 
 
 def _encoders_from_folders(conditioner: FluxConditioner, incompatible) -> None:
-    """A BFL file holds no encoder weights: an encoder read from its own folder keeps them; one
-    built for the file's weights is one error line."""
-    missing = incompatible.missing_keys
-    for name in ENCODERS:
-        embedder = getattr(conditioner, name)
-        level = f"{conditioner.checkpoint_name}.{name}."
-        own = [k for k in missing if k.startswith(level) or k.startswith(name + ".")]
-        if not own or len(own) < len(embedder.state_dict()):
-            continue  # some of its weights are in the file: strict loading names the rest
-        if getattr(embedder, "from_folder", False):
-            for key in own:
-                missing.remove(key)
-        else:
-            raise ValueError(
-                f"the weights file has no {name} weights ({level}*): set "
-                f"conditioner_config.params.{name}.version to a local folder holding them"
-            )
+    encoders_from_folders(conditioner, incompatible, ENCODERS)  # both required

@@ -234,11 +234,18 @@ class SD3Conditioner(nn.Module):
 
 
 def _encoders_from_folders(conditioner: SD3Conditioner, incompatible) -> None:
+    encoders_from_folders(conditioner, incompatible, ENCODERS, optional=("t5xxl",))
+
+
+def encoders_from_folders(
+    conditioner: nn.Module, incompatible, encoders: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> None:
     """A file without an encoder's weights (sd3.5_large.safetensors holds the MMDiT and the VAE
-    only): an encoder read from its own folder (`version`) keeps them; one built for the file's
-    weights is one error line."""
+    only, BFL's flux1-dev the transformer only): an encoder read from its own folder (`version`)
+    keeps them; one built for the file's weights is one error line (`optional` encoders may be
+    left out: null)."""
     missing = incompatible.missing_keys
-    for name in ENCODERS:
+    for name in encoders:
         embedder = getattr(conditioner, name)
         if embedder is None:
             continue
@@ -253,7 +260,7 @@ def _encoders_from_folders(conditioner: SD3Conditioner, incompatible) -> None:
             raise ValueError(
                 f"the weights file has no {name} weights ({level}*): set "
                 f"conditioner_config.params.{name}.version to a local folder holding them"
-                + (", or t5xxl: null to run without T5" if name == "t5xxl" else "")
+                + (f", or {name}: null to run without it" if name in optional else "")
             )
 
 

@@ -81,6 +81,20 @@ def _counts(dataset) -> dict | None:
 # ----------------------------------------------------------------------------------- captions
 
 
+def config_nodes(model_config):
+    """(dotted key, dict) of every mapping in the model config, depth first in file order."""
+    stack = [("model", model_config)]
+    while stack:
+        key, node = stack.pop()
+        if isinstance(node, list):
+            stack += [(f"{key}.{i}", v) for i, v in reversed(list(enumerate(node)))]
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack += [(f"{key}.{k}", v) for k, v in reversed(list(node.items())) if k != "target"]
+        yield key, node
+
+
 def text_encoders(model_config) -> list[dict]:
     """{name, tokenizer, max_length, unescape} of every CLIP / OpenCLIP text encoder in the model
     config (SDXL has two), with the tokenizer that encoder itself would build - nothing built."""
@@ -92,15 +106,8 @@ def text_encoders(model_config) -> list[dict]:
     )
     from ldm.util import get_obj_from_str
 
-    found, stack = [], [("model", model_config)]
-    while stack:
-        key, node = stack.pop()
-        if isinstance(node, list):
-            stack += [(f"{key}.{i}", v) for i, v in reversed(list(enumerate(node)))]
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack += [(f"{key}.{k}", v) for k, v in reversed(list(node.items())) if k != "target"]
+    found = []
+    for key, node in config_nodes(model_config):
         try:
             cls = get_obj_from_str(node["target"]) if isinstance(node.get("target"), str) else None
         except (ImportError, ValueError):

@@ -22,15 +22,10 @@ CLIP_MAX_LENGTH = 77
 def sd3_encoders(model_config) -> list[dict]:
     """{name, tokenizer, error, max_length, unescape} of every T5 text encoder the model config
     names, and of SD3Conditioner's CLIPs, as `dataset_report.text_encoders` lists CLIP's."""
-    found, stack = [], [("model", model_config)]
-    while stack:
-        key, node = stack.pop()
-        if isinstance(node, list):
-            stack += [(f"{key}.{i}", v) for i, v in reversed(list(enumerate(node)))]
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack += [(f"{key}.{k}", v) for k, v in reversed(list(node.items())) if k != "target"]
+    from lun.data.dataset_report import config_nodes
+
+    found = []
+    for key, node in config_nodes(model_config):
         params = node.get("params") if isinstance(node.get("params"), dict) else {}
         target = node.get("target") if isinstance(node.get("target"), str) else ""
         if isinstance(params.get("t5xxl"), dict) or "SD3" in target.rpartition(".")[2]:
