@@ -170,3 +170,10 @@ def test_kohya_file_merges_back(model):
     with pytest.raises(ValueError, match="lora_unet_input_blocks_1_1_proj_in names no Linear"):
         lora.merge_file(plain, {"lora_unet_input_blocks_1_1_proj_in.lora_down.weight": file[
             "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight"]})  # fmt: skip
+
+
+def test_dora_on_mmdit_is_one_clear_error():
+    cfg = OmegaConf.load(TINY).model
+    cfg.params.lora = {"rank": RANK, "dora": True}
+    with pytest.raises(ValueError, match=r"^model.params.lora.dora: the SD3 MMDiT LoRA files"):
+        instantiate_from_config(cfg)
