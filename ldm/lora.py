@@ -188,6 +188,31 @@ def _check_quantization(values: Mapping) -> None:
 
 
 # --- which layers --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A transformer backbone that owns its LoRA rules: `targets(backbone)` names the Linear
+    layers LoRA adapts, `layout` (an ldm.layout.kohya_* module) writes and reads its files:
+    `peft_adapters`, `to_kohya`, `from_kohya`, `to_diffusers`. The UNet's rules stay here and in
+    ldm.lora_kohya."""
+
+    name: str
+    targets: object
+    layout: object
+
+
+def backbone_family(backbone: nn.Module) -> Family | None:
+    """The LoRA rules of `backbone` (a LatentDiffusion's `backbone`), or None for the UNet: the
+    one place that tells the families apart."""
+    from ldm import flux, mmdit
+    from ldm.layout import kohya_flux, kohya_sd3
+
+    if isinstance(backbone, mmdit.MMDiT):
+        return Family("SD3 MMDiT", mmdit.lora_targets, kohya_sd3)
+    if isinstance(backbone, flux.Flux):
+        return Family("Flux", flux.lora_targets, kohya_flux)
+    return None
+
+
 def _lora_able(module: nn.Module) -> bool:
     return isinstance(module, (nn.Linear, nn.Conv2d))
 
@@ -258,10 +283,13 @@ def _is_lora_layer(module: nn.Module) -> bool:
 def summary(model: nn.Module, settings: LoraSettings, conv_rank: int | None) -> str:
     """One line: which modules got adapters, their rank and the trainable parameters."""
     unet = sum(_is_lora_layer(m) for m in model.model.modules())
+    family = backbone_family(model.backbone)
     text = sum(_is_lora_layer(m) for m in model.conditioner.modules())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     where = f"{unet} UNet layers ({', '.join(settings.targets)})"
+    if family is not None:
+        where = f"{unet} {family.name} layers (attention and MLP)"
     where += f" + {text} text encoder layers" if text else ""
     rank = f"rank {settings.rank}" + (f", conv rank {conv_rank}" if conv_rank else "")
     kind = "DoRA" if settings.dora else "LoRA"
@@ -279,7 +307,13 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
         "init_lora_weights": INITS[settings.init],
     }
     unet = model.model  # names relative to it, as the EMA callback sees them
-    names = unet_targets(unet, settings.targets)
+    family = backbone_family(model.backbone)
+    if family is None:
+        names = unet_targets(unet, settings.targets)
+    else:  # the backbone says which layers; `targets` names the UNet's groups
+        if settings.dora:
+            _fail("dora", f"the {family.name} LoRA files are plain LoRA; set dora: false")
+        names = ["diffusion_model." + n for n in family.targets(model.backbone)]
     alpha = settings.scale_alpha
     conv_rank, conv_alpha = settings.conv
     is_3x3 = {
@@ -580,6 +614,9 @@ def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict
     """The adapters of a LatentDiffusion as a kohya LoRA state dict: per layer
     `<name>.lora_down.weight` (A), `.lora_up.weight` (B), `.alpha` (0-dim) and, for DoRA,
     `.dora_scale`; kohya applies up @ down * alpha / rank, as peft does."""
+    family = backbone_family(model.backbone)
+    if family is not None:
+        return family.layout.to_kohya(family.layout.peft_adapters(model), dtype)
     res_blocks, sdxl = res_blocks_of(model.backbone), is_sdxl(model)
     state = {}
     for name, layer in adapter_layers(model).items():
@@ -597,7 +634,11 @@ def kohya_state_dict(model: nn.Module, dtype: torch.dtype | None = None) -> dict
 def diffusers_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapters in the diffusers/peft format `pipeline.load_lora_weights` reads natively:
     `unet.<diffusers path>.lora_A.weight` / `.lora_B.weight` (and `text_encoder.`). The
-    scale alpha / rank is folded into lora_B, so the file needs no alpha (diffusers takes 1)."""
+    scale alpha / rank is folded into lora_B, so the file needs no alpha (diffusers takes 1).
+    SD3 and Flux: `transformer.<diffusers path>...`, fused q/k/v split (ldm.layout.kohya_*)."""
+    family = backbone_family(model.backbone)
+    if family is not None:
+        return family.layout.to_diffusers(family.layout.peft_adapters(model))
     res_blocks = res_blocks_of(model.backbone)
     state = {}
     for name, layer in adapter_layers(model).items():
@@ -674,6 +715,9 @@ def merge_kohya(
     magnitudes = magnitudes or {}
     if has_adapters(model):
         raise ValueError("merge the model's own adapters first (merge_adapters)")
+    family = backbone_family(model.backbone)
+    if family is not None:
+        return _merge_family(model, family, state, weight)
     modules = kohya_modules(model)
     downs = sorted(
         k.removesuffix(".lora_down.weight") for k in state if k.endswith(".lora_down.weight")
@@ -712,6 +756,23 @@ def merge_kohya(
                 found = _magnitude_of(layer, adapter, state[kohya + ".dora_scale"], source)
             magnitude.copy_(found.reshape(magnitude.shape))
     return merge_adapters(model, weight, adapter) + len(fused)
+
+
+def _merge_family(model: nn.Module, family: Family, state, weight: float) -> int:
+    """`merge_kohya` for a backbone that owns its LoRA rules (SD3, Flux): its layout reads the
+    file into {module: (down, up, alpha)}, merged through peft's layers as for the UNet."""
+    linears = [n for n, m in model.backbone.named_modules() if isinstance(m, nn.Linear)]
+    adapters = family.layout.from_kohya(state, linears)
+    names = {f"model.diffusion_model.{m}": v for m, v in adapters.items()}
+    ranks = {n: down.shape[0] for n, (down, _, _) in names.items()}
+    alphas = {n: alpha for n, (_, _, alpha) in names.items()}
+    adapter = "merge"
+    _inject(model, list(names), ranks, alphas, init_lora_weights=False, adapter=adapter)
+    for name, (down, up, _) in names.items():
+        layer = model.get_submodule(name)
+        layer.lora_A[adapter].weight.copy_(down)
+        layer.lora_B[adapter].weight.copy_(up)
+    return merge_adapters(model, weight, adapter)
 
 
 def _merge_split_qkv(model, state, downs: list[str], weight: float, source: str) -> set[str]:
@@ -754,6 +815,12 @@ def merge_file(
 ) -> int:
     """Merge a LoRA file's state dict, kohya or diffusers format (its safetensors `metadata`
     may hold diffusers' alphas), into `model` at `weight` (`merge_kohya`)."""
+    family = backbone_family(model.backbone)
+    if family is not None and not any(k.endswith(".lora_down.weight") for k in state):
+        raise ValueError(
+            f"{source}: only kohya-format {family.name} LoRA files (<name>.lora_down.weight) "
+            "merge here; load a diffusers-format one with diffusers' load_lora_weights"
+        )
     if lora_kohya.is_diffusers_format(state):
         state, magnitudes = lora_kohya.from_diffusers(state, metadata, is_sdxl(model))
         return merge_kohya(model, state, weight, source, magnitudes)

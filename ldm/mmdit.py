@@ -25,6 +25,7 @@ FSDP: wrap `JointBlock` (one per depth step, both streams), e.g.
 `ModuleWrapPolicy({JointBlock})`; it is also the gradient-checkpointing unit.
 """
 
+import re
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -377,3 +378,22 @@ def sd35_medium(**kwargs) -> MMDiT:
 def sd35_large(**kwargs) -> MMDiT:
     """Stable Diffusion 3.5 Large (8B): 38 blocks, width 2432, 38 heads, QK RMSNorm."""
     return MMDiT(depth=38, pos_embed_max_size=192, qk_norm=True, **kwargs)
+
+
+# The Linear layers of a joint block LoRA adapts (issue 33 item 6): the attention and MLP of both
+# streams and MMDiT-X's attn2; not the adaLN modulation (diffusers swaps its shift / scale halves).
+LORA_LAYERS = re.compile(
+    r"joint_blocks\.\d+\.(x_block|context_block)\.(attn|attn2)\.(qkv|proj)"
+    r"|joint_blocks\.\d+\.(x_block|context_block)\.mlp\.fc[12]"
+)
+
+
+def lora_targets(model: MMDiT) -> list[str]:
+    """Names (in `model`) of the Linear layers LoRA adapts, in module order: per joint block and
+    stream `attn.qkv`, `attn.proj`, `mlp.fc1`, `mlp.fc2` (a pre_only context stream has only
+    `attn.qkv`) and MMDiT-X's `attn2.qkv` / `attn2.proj`."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and LORA_LAYERS.fullmatch(name)
+    ]

@@ -28,7 +28,7 @@ import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from ldm.layout import flux, original, sd3
+from ldm.layout import flux, original, peft, sd3
 from ldm.layout.dit import DIT_KEYS, file_state_keys
 
 SD1, SD2, SDXL, DIT, VAE, LORA = "SD 1.x", "SD 2.x", "SDXL", "DiT", "VAE", "LoRA"
@@ -66,7 +66,9 @@ def model_family(source) -> str | None:
     if isinstance(source, Mapping) and "target" in source:
         return _config_family(source)
     if hasattr(source, "state_dict"):
-        source = source.state_dict()
+        # a model with LoRA layers: its frozen weights under their own names (`qkv.weight`,
+        # not peft's `qkv.base_layer.weight`), as its checkpoint holds them
+        source = dict.fromkeys(peft.without_base_level(k) for k in source.state_dict())
     keys = list(source)
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA

@@ -43,20 +43,7 @@ def trains_a_vae(path: Path) -> bool:
 
 # The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
 CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
-# LoRA on Flux needs ldm.lora to take the backbone's own targets (Flux.lora_targets) instead of
-# the UNet name groups; until that lands (issue 34.1, fluxmodel report) these fail by design.
-NEEDS_BACKBONE_LORA_TARGETS = {"flux1-dev-lora.yaml", "flux1-schnell-lora.yaml"}
-CONFIG_PARAMS = [
-    pytest.param(
-        p,
-        marks=pytest.mark.xfail(
-            strict=True, reason="ldm.lora does not ask Flux.lora_targets yet (issue 34.1)"
-        ),
-    )
-    if p.name in NEEDS_BACKBONE_LORA_TARGETS
-    else p
-    for p in CONFIGS
-]
+CONFIG_PARAMS = CONFIGS
 # A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
 TINY_WIDTH = 32
 
