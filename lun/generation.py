@@ -157,12 +157,13 @@ def check_lora_files(files: list[tuple[Path, float]]) -> None:
 
 
 def check_lora_target(model: LatentModel, files: list[tuple[Path, float]]) -> None:
-    """LoRA files name the UNet's and text encoders' layers (kohya / diffusers): other
-    backbones (DiT) have none of them."""
+    """LoRA files name the UNet's and text encoders' layers, or SD 3's / Flux's blocks (kohya /
+    diffusers): other backbones (DiT) have none of them."""
     found = family.model_family(model)
-    if files and found not in (family.SD1, family.SD2, family.SDXL):
+    if files and found not in (family.SD1, family.SD2, family.SDXL, family.SD3, family.FLUX):
         raise checkpoint.WrongFileError(
-            f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x and SDXL models; this "
+            f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x, SDXL, SD 3 and Flux.1 "
+            "models; this "
             f"model is {family.a(found) if found else 'another architecture'}, which has no "
             "layers of those names"
         )

@@ -6,9 +6,12 @@ the trained model's adapters merged by peft (which the 2 steps moved off B = 0).
 import copy
 
 import lora as lora_script
+import numpy as np
 import pytest
 import torch
+import txt2img
 from omegaconf import OmegaConf
+from PIL import Image
 from run_helpers import ROOT, run_main
 from safetensors.torch import load_file
 from sd3_helpers import t5_tokenizer_folder
@@ -48,7 +51,7 @@ def test_tiny_lora_run_trains_and_exports_kohya(tmp_path, shapes_dir, case):
             *extra,
             f"model.params.ckpt_path={tmp_path / 'base.ckpt'}",
             "model.params.lora={rank: 4, alpha: 2}",
-            "model.base_learning_rate=1.0e-2",
+            "model.base_learning_rate=1.0e-1",  # Adam moves B by ~lr a step: a visible change
             "lightning.trainer.max_steps=2",
             *("-l", str(logs), "-t"),
         ],
@@ -76,3 +79,30 @@ def test_tiny_lora_run_trains_and_exports_kohya(tmp_path, shapes_dir, case):
     assert lora.merge_file(plain, file, source=str(out)) == count
     for k, v in merged.backbone.state_dict().items():
         torch.testing.assert_close(plain.backbone.state_dict()[k], v, rtol=0, atol=1e-6, msg=k)
+
+    # txt2img --lora: the plain base with the kohya file draws the trained run's image
+    plain_yaml = tmp_path / "plain.yaml"
+    OmegaConf.save({"model": plain_config}, plain_yaml)
+    trained_image = generate(tmp_path / "trained", "--ckpt", str(ckpt), "--no-ema")
+    with_file = generate(
+        tmp_path / "lora",
+        *("--config", str(plain_yaml), "--ckpt", str(tmp_path / "base.ckpt")),
+        *("--lora", f"{out}:1.0"),
+    )
+    without = generate(
+        tmp_path / "base", "--config", str(plain_yaml), "--ckpt", str(tmp_path / "base.ckpt")
+    )
+    assert np.abs(with_file - trained_image).max() <= 1  # the PNG's rounding
+    assert np.abs(without - trained_image).max() > 1  # the file changed the image
+
+
+def generate(out, *args) -> np.ndarray:
+    txt2img.main(
+        [
+            *args,
+            *("--outdir", str(out), "--sampler", "euler", "--steps", "3", "--scale", "1"),
+            *("--prompt", "a red circle", "--n_samples", "1", "--seed", "7", "--skip_grid"),
+        ]
+    )
+    (png,) = sorted((out / "samples").glob("*.png"))
+    return np.asarray(Image.open(png), dtype=np.int16)
