@@ -81,7 +81,13 @@ class AutoencoderKLTraining(ManualOptimizationContract, AutoencoderKL, pl.Lightn
         if colorize_nlabels is not None:
             raise ValueError("colorize_nlabels (segmentation autoencoders) is not supported")
         super().__init__(
-            ddconfig, embed_dim, None, ckpt_path, ignore_keys, monitor, image_key, use_quant_conv
+            ddconfig,
+            embed_dim,
+            ckpt_path=ckpt_path,
+            ignore_keys=ignore_keys,
+            monitor=monitor,
+            image_key=image_key,
+            use_quant_conv=use_quant_conv,
         )
         self.loss = instantiate_from_config(lossconfig)
         self.image_key, self.learning_rate = image_key, learning_rate

@@ -25,7 +25,9 @@ from lun.run import RunDir
 from lun.trainer import build_trainer
 
 SEED = ROOT / "tests" / "reference" / "translunar"
-TESTS = str(ROOT / "tests")
+TESTS = os.pathsep.join(
+    [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
+)  # callbacks defined here
 # What a CPU test changes: step counts, and fp16 (`precision: 16`) which a CPU cannot run.
 TOY = ["lightning.trainer.max_steps=4", "lightning.trainer.precision=32"]
 

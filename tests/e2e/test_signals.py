@@ -19,7 +19,9 @@ from run_helpers import ROOT, run_main
 
 from lun.callbacks.signals import exit_status
 
-TESTS = str(ROOT / "tests")
+TESTS = os.pathsep.join(
+    [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
+)  # callbacks defined here
 
 
 class SendSignal(Callback):
