@@ -103,10 +103,10 @@ def test_round_trip_through_our_export_is_bit_exact(exported):
 def test_folder_settings_must_match_the_config(exported, tiny_config, monkeypatch):
     """Prediction type, latent scale and family: a mismatch is one line naming the file."""
     family, config, state, folder, model = exported
-    with monkeypatch.context() as patch:
-        patch.setattr(model, "parameterization", "eps" if family == "sd2" else "v")
-        with pytest.raises(DiffusersFolderError, match=r"scheduler_config.json: prediction_type"):
-            checkpoint.load_weights(model, folder)
+    flipped = family_config(tiny_config, family)  # the other prediction type
+    flipped["model"]["params"]["parameterization"] = "eps" if family == "sd2" else "v"
+    with pytest.raises(DiffusersFolderError, match=r"scheduler_config.json: prediction_type"):
+        checkpoint.load_weights(instantiate_from_config(flipped["model"]), folder)
     with monkeypatch.context() as patch:
         patch.setattr(model, "scale_factor", 0.13025)
         with pytest.raises(DiffusersFolderError, match=r"vae/config.json: scaling_factor 0.18215"):
