@@ -70,7 +70,8 @@ def test_a_tiny_lora_run_stopped_by_ctrl_c_prints_only_our_lines(tmp_path, tiny_
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
     args += ["model.params.lora={rank: 2}", "lightning.trainer.max_steps=4", ctrl_c]
     args += ["-l", str(logs), "-t"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests" / "e2e")}  # test_signals.SendSignal
+    tests = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]  # test_signals.SendSignal
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(tests)}
     # SIGINT as a terminal gives it, also where pytest runs in a background job (which ignores it)
     result = run_main(args, cwd=tmp_path, env=env, preexec_fn=default_sigint, timeout=900)
     assert result.returncode == 130, result.stderr[-3000:]  # stopped by SIGINT, saved
