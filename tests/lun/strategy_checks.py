@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
 import ldm.diffusion
+import ldm.objectives
 from ldm.util import instantiate_from_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,9 +25,9 @@ LR = 0.5
 
 
 class FixedDraws:
-    """Stands in for `torch` inside `ldm.diffusion`: `randint` and `randn` hand out precomputed
-    values in order, so each sample gets the same t and noise whether it is in one batch of 4 or
-    in two micro-batches of 2. Everything else is torch's."""
+    """Stands in for `torch` inside `ldm.objectives` (where t and the noise are drawn): `randint`
+    and `randn` hand out precomputed values in order, so each sample gets the same t and noise
+    whether it is in one batch of 4 or in two micro-batches of 2. Everything else is torch's."""
 
     def __init__(self, t: torch.Tensor, noise: torch.Tensor):
         self.t, self.noise = t, noise
@@ -81,7 +82,7 @@ def one_step(
     )
     model = tiny_model(**model_params)
     before = {n: p.detach().clone() for n, p in model.model.named_parameters()}
-    original_torch, ldm.diffusion.torch = ldm.diffusion.torch, draws
+    original_torch, ldm.objectives.torch = ldm.objectives.torch, draws
     try:
         trainer = pl.Trainer(
             accelerator="cpu",
@@ -97,7 +98,7 @@ def one_step(
         )
         trainer.fit(model, latent_batches(batch_size))
     finally:
-        ldm.diffusion.torch = original_torch
+        ldm.objectives.torch = original_torch
     after = dict(model.model.named_parameters())
     update = {n: (after[n].detach().float() - before[n]) for n in before}
     return update, float(trainer.callback_metrics["train/loss"])

@@ -24,6 +24,7 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
 import ldm.diffusion
+import ldm.objectives
 from ldm.layout.ema import ema_key
 from lun.callbacks.ema import EMA
 
@@ -64,11 +65,11 @@ def train(strategy, devices: int, rank: int = 0, callbacks=()) -> pl.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    original_torch, ldm.diffusion.torch = ldm.diffusion.torch, FixedDraws(t[mine], noise[mine])
+    original_torch, ldm.objectives.torch = ldm.objectives.torch, FixedDraws(t[mine], noise[mine])
     try:
         trainer.fit(model, loader)
     finally:
-        ldm.diffusion.torch = original_torch
+        ldm.objectives.torch = original_torch
     return trainer
 
 
