@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ldm.layout import kohya as lora_kohya
-from ldm.layout import peft, wrappers
+from ldm.layout import original, peft, wrappers
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +313,7 @@ def add_adapters(model: nn.Module, settings: LoraSettings) -> None:
     else:  # the backbone says which layers; `targets` names the UNet's groups
         if settings.dora:
             _fail("dora", f"the {family.name} LoRA files are plain LoRA; set dora: false")
-        names = ["diffusion_model." + n for n in family.targets(model.backbone)]
+        names = [original.UNET_MODULE + n for n in family.targets(model.backbone)]
     alpha = settings.scale_alpha
     conv_rank, conv_alpha = settings.conv
     is_3x3 = {
@@ -763,7 +763,7 @@ def _merge_family(model: nn.Module, family: Family, state, weight: float) -> int
     file into {module: (down, up, alpha)}, merged through peft's layers as for the UNet."""
     linears = [n for n, m in model.backbone.named_modules() if isinstance(m, nn.Linear)]
     adapters = family.layout.from_kohya(state, linears)
-    names = {f"model.diffusion_model.{m}": v for m, v in adapters.items()}
+    names = {original.unet_key(m): v for m, v in adapters.items()}
     ranks = {n: down.shape[0] for n, (down, _, _) in names.items()}
     alphas = {n: alpha for n, (_, _, alpha) in names.items()}
     adapter = "merge"

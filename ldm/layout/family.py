@@ -66,10 +66,10 @@ def model_family(source) -> str | None:
     if isinstance(source, Mapping) and "target" in source:
         return _config_family(source)
     if hasattr(source, "state_dict"):
-        # a model with LoRA layers: its frozen weights under their own names (`qkv.weight`,
-        # not peft's `qkv.base_layer.weight`), as its checkpoint holds them
-        source = dict.fromkeys(peft.without_base_level(k) for k in source.state_dict())
-    keys = list(source)
+        source = source.state_dict()
+    # a model (or a raw state dict) with LoRA layers: its frozen weights under their own names
+    # (`qkv.weight`, not peft's `qkv.base_layer.weight`), as its checkpoint holds them
+    keys = [peft.without_base_level(k) for k in source]
     if keys and all(_ADAPTER_KEY.search(k) for k in keys):
         return LORA
     if flux.is_flux(dict.fromkeys(keys)):  # before SD3: both use text_encoders.*
