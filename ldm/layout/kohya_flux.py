@@ -108,19 +108,28 @@ def to_kohya(adapters: Adapters, dtype: torch.dtype | None = None) -> dict[str, 
 def from_kohya(state: Mapping[str, torch.Tensor], modules: Iterable[str]) -> dict:
     """A kohya Flux LoRA state dict -> {module: (down, up, alpha)} for the model's `modules`;
     an unknown key is one clear error."""
-    known = kohya_modules(modules)
+
+    def unknown(name: str) -> str:
+        if "guidance_in" in name:
+            return (
+                f"LoRA file: {name} is for FLUX.1-dev's guidance input; this model has none "
+                "(schnell): use a LoRA trained on schnell, or a dev base"
+            )
+        return f"LoRA file: {name} names no Linear layer of this Flux model"
+
+    return read_kohya(state, kohya_modules(modules), unknown)
+
+
+def read_kohya(state: Mapping[str, torch.Tensor], known: Mapping[str, str], unknown) -> dict:
+    """{module: (down, up, alpha)} of a kohya file whose names `known` maps to modules (alpha
+    defaults to the rank, kohya's rule); a name it lacks is `unknown(name)`'s one-line error."""
     adapters = {}
     for key in state:
         if not key.endswith(".lora_down.weight"):
             continue
         name = key.removesuffix(".lora_down.weight")
-        if name not in known and "guidance_in" in name:
-            raise ValueError(
-                f"LoRA file: {name} is for FLUX.1-dev's guidance input; this model has none "
-                "(schnell): use a LoRA trained on schnell, or a dev base"
-            )
         if name not in known:
-            raise ValueError(f"LoRA file: {name} names no Linear layer of this Flux model")
+            raise ValueError(unknown(name))
         down = state[key]
         alpha = state.get(f"{name}.alpha", torch.tensor(float(down.shape[0])))
         adapters[known[name]] = (down, state[f"{name}.lora_up.weight"], float(alpha))
@@ -129,11 +138,18 @@ def from_kohya(state: Mapping[str, torch.Tensor], modules: Iterable[str]) -> dic
 
 def to_diffusers(adapters: Adapters) -> dict[str, torch.Tensor]:
     """{module: (down, up, alpha)} -> diffusers' Flux LoRA state dict (`load_lora_weights`)."""
+    return diffusers_state(adapters, diffusers_modules, row_split)
+
+
+def diffusers_state(adapters: Adapters, modules_of, split) -> dict[str, torch.Tensor]:
+    """diffusers' LoRA names: alpha folded into B (diffusers has no alpha); a fused layer
+    (`qkv`) becomes its diffusers modules (`modules_of(module)`), B's rows cut by
+    `split(module, up, in_features)`, A shared."""
     state = {}
     for module, (down, up, alpha) in adapters.items():
         up = up.float() * (alpha / down.shape[0])
-        parts = diffusers_modules(module)
-        for part, rows in zip(parts, row_split(module, up, down.shape[1]), strict=True):
+        parts = modules_of(module)
+        for part, rows in zip(parts, split(module, up, down.shape[1]), strict=True):
             key = DIFFUSERS_PREFIX + part
             state[f"{key}.lora_A.weight"] = down.detach().float().clone()
             state[f"{key}.lora_B.weight"] = rows.detach().clone()

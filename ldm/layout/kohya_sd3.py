@@ -19,11 +19,18 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ldm.layout.kohya_flux import KOHYA_PREFIX, bare, kohya_modules, peft_adapters, to_kohya
+from ldm.layout.kohya_flux import (
+    KOHYA_PREFIX,
+    bare,
+    diffusers_state,
+    kohya_modules,
+    peft_adapters,
+    read_kohya,
+    to_kohya,
+)
 
 __all__ = ["from_kohya", "peft_adapters", "to_diffusers", "to_kohya", "diffusers_modules"]
 
-DIFFUSERS_PREFIX = "transformer."
 # (stream, module) -> diffusers module(s) under `transformer_blocks.N.` (diffusers'
 # convert_sd3_transformer_checkpoint_to_diffusers); several = the fused rows in order.
 JOINT_BLOCK = {
@@ -64,31 +71,21 @@ Adapters = Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
 def from_kohya(state: Mapping[str, torch.Tensor], modules: Iterable[str]) -> dict:
     """A kohya SD3 LoRA state dict -> {module: (down, up, alpha)} for the model's `modules`;
     an unknown key is one clear error."""
-    known = kohya_modules(modules)
-    adapters = {}
-    for key in state:
-        if not key.endswith(".lora_down.weight"):
-            continue
-        name = key.removesuffix(".lora_down.weight")
-        if name not in known:
-            raise ValueError(
-                f"LoRA file: {name} names no Linear layer of this SD3 model (a LoRA for "
-                "another model family or size?)"
-            )
-        down = state[key]
-        alpha = state.get(f"{name}.alpha", torch.tensor(float(down.shape[0])))
-        adapters[known[name]] = (down, state[f"{name}.lora_up.weight"], float(alpha))
-    return adapters
+
+    def unknown(name: str) -> str:
+        return (
+            f"LoRA file: {name} names no Linear layer of this SD3 model (a LoRA for "
+            "another model family or size?)"
+        )
+
+    return read_kohya(state, kohya_modules(modules), unknown)
 
 
 def to_diffusers(adapters: Adapters) -> dict[str, torch.Tensor]:
-    """{module: (down, up, alpha)} -> diffusers' SD3 LoRA state dict (`load_lora_weights`)."""
-    state = {}
-    for module, (down, up, alpha) in adapters.items():
-        up = up.float() * (alpha / down.shape[0])
-        parts = diffusers_modules(module)
-        for part, rows in zip(parts, up.chunk(len(parts)), strict=True):
-            key = DIFFUSERS_PREFIX + part
-            state[f"{key}.lora_A.weight"] = down.detach().float().clone()
-            state[f"{key}.lora_B.weight"] = rows.detach().clone()
-    return {k: v.contiguous() for k, v in state.items()}
+    """{module: (down, up, alpha)} -> diffusers' SD3 LoRA state dict (`load_lora_weights`): a
+    fused qkv's B rows cut in three equal parts."""
+    return diffusers_state(adapters, diffusers_modules, _equal_rows)
+
+
+def _equal_rows(module: str, up: torch.Tensor, in_features: int) -> tuple[torch.Tensor, ...]:
+    return up.chunk(len(diffusers_modules(module)))
