@@ -435,3 +435,18 @@ class FrozenOpenCLIPEmbedder(TextEmbedder):
     def forward(self, texts: list[str]) -> torch.Tensor:
         tokens = self.tokenize(texts).to(self.model.token_embedding.weight.device)  # (B, L)
         return self.encode_with_transformer(tokens)  # (B, L, width)
+
+
+def tokenizer_of(cls, params: dict) -> tuple[str | None, bool] | None:
+    """(tokenizer folder, unescapes HTML first) of the CLIP / OpenCLIP text encoder `cls` would
+    build from `params`, None when `cls` is no such encoder: for readers of a model config that
+    build nothing (the dataset report counts tokens; lun/data imports no model class)."""
+    if not isinstance(cls, type):
+        return None
+    if issubclass(cls, FrozenCLIPEmbedder):
+        version = params.get("version", "openai/clip-vit-large-patch14")
+        return clip_tokenizer_folder(version, params.get("tokenizer")), False
+    if issubclass(cls, FrozenOpenCLIPEmbedder):
+        # open_clip_tokenize unescapes HTML entities twice before tokenizing
+        return params.get("tokenizer"), True
+    return None
