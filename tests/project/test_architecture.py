@@ -32,11 +32,9 @@ KNOWN_CIRCLES = [
     {"lun.config", "lun.legacy"},
     {"lun.callbacks.progress", "lun.callbacks.throughput"},
     {
-        "lun.callbacks.signals",
         "lun.data.datamodule",
         "lun.data.dataset_report",
         "lun.data.dataset_report_sd3",
-        "lun.run",
         "lun.trainer",
     },
     {"lun.memory", "lun.memory_quant"},
