@@ -41,15 +41,26 @@ def trains_a_vae(path: Path) -> bool:
     return "autoencoder" in str(OmegaConf.select(OmegaConf.load(path), "model.target", default=""))
 
 
-# The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
-CONFIG_PARAMS = CONFIGS
-# A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
-TINY_WIDTH = 32
-
-
 def config_id(path: Path) -> str:
     return path.relative_to(ROOT / "configs").as_posix()
+
+
+# The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
+# Strategy presets that the test file named launches through main.py with a model it fits (most
+# with 2 processes, and with checks of what the strategy saves): a 1-process run here would only
+# repeat their start-up (DeepSpeed's alone costs more than a minute on 2 cores).
+PRESETS_LAUNCHED_ELSEWHERE = {
+    "lightning/ddp.yaml": "tests/e2e/test_resume.py",
+    "lightning/deepspeed_stage2.yaml": "tests/lun/test_strategies.py",
+    "lightning/deepspeed_stage3.yaml": "tests/lun/test_strategies.py",
+    "lightning/fsdp.yaml": "tests/lun/test_strategies.py",
+    "lightning/fsdp-dit.yaml": "tests/e2e/test_dit_e2e.py",
+    "lightning/fsdp-vae.yaml": "tests/e2e/test_vae_resume.py",
+}
+CONFIG_PARAMS = [p for p in CONFIGS if config_id(p) not in PRESETS_LAUNCHED_ELSEWHERE]
+# A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
+TINY_WIDTH = 32
 
 
 def test_the_glob_finds_the_shipped_configs():
@@ -62,6 +73,14 @@ def test_the_glob_finds_the_shipped_configs():
         "stable-diffusion/v1-finetune.yaml",
         "lightning/fsdp.yaml",
     } <= names
+
+
+def test_presets_left_out_here_are_launched_by_the_test_named():
+    for preset, test_file in PRESETS_LAUNCHED_ELSEWHERE.items():
+        assert (ROOT / "configs" / preset).is_file(), preset
+        source = (ROOT / test_file).read_text()
+        launches = "run_main(" in source or '"main.py"' in source
+        assert Path(preset).stem in source and launches, (preset, test_file)
 
 
 # --- tiny overrides, from the parts a config names -----------------------------------------------

@@ -3,7 +3,7 @@ CompVis way, `txt2img.py --ckpt logs/<run>/checkpoints/last.ckpt --config
 logs/<run>/configs/<time>-project.yaml`, and img2img, convert, evaluate and `--base` of a new
 run - although the project's `total_steps: ${lightning.trainer.max_steps}` points into the
 lightning section, which is saved in the other file. The interpolation itself stays as written
-(a `--resume` with a larger max_steps moves it: tests/e2e/test_resume.py)."""
+(a `--resume` with a larger max_steps moves it: tests/e2e/test_lora_resume.py)."""
 
 import convert
 import img2img
