@@ -293,9 +293,10 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_ddp_on_two_nodes_under_torchrun_then_resume_and_export(tmp_path, shapes_dir):
-    """`torchrun --nnodes 2`: two launches, one per "node", meet at a rendezvous on localhost;
-    the run then resumes (2 local processes) and exports like every other strategy."""
+def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
+    """`torchrun --nnodes 2`: two launches, one per "node", meet at a rendezvous on localhost,
+    and rank 0 writes the run. (A DDP checkpoint is one plain file: its exact 2-process resume is
+    tests/e2e/test_resume.py's, its export scripts/convert.py's tests'.)"""
     logs = tmp_path / "logs"
     port = str(free_port())
     args = [
@@ -342,6 +343,3 @@ def test_ddp_on_two_nodes_under_torchrun_then_resume_and_export(tmp_path, shapes
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
     check_written(runs[0], step=2)
-    check_resumed_and_export(
-        tmp_path, runs[0], "lightning.trainer.num_nodes=1", "lightning.trainer.devices=2"
-    )
