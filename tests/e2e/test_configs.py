@@ -7,8 +7,8 @@ The list is a glob, so a new config is covered the day it is added. Each one run
 - a config without a `data` section (the original inference configs) is merged with the `data`
   and `lightning` sections of configs/tiny/ldm.yaml;
 - a config with only a `lightning` section (a strategy preset) is merged after configs/tiny/ldm.yaml
-  and runs in one CPU process, unless another test launches it with its model and 2 processes
-  (`PRESETS_LAUNCHED_ELSEWHERE` names that test, and a test here checks it still does);
+  and runs in one CPU process, unless another test launches it with its model (most with 2
+  processes; `PRESETS_LAUNCHED_ELSEWHERE` names that test, and a test here checks it still does);
 - SDXL configs (sgm's GeneralConditioner) get tests/sdxl_helpers.py's tiny SDXL;
 - DiT configs get a DiT of width 32 and depth 1, class-folder data the shapes as 18 classes, and a
   VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE;
