@@ -291,7 +291,9 @@ def quant_lora_section(args, device, kinds=KINDS, network: dict = NETWORK) -> li
 def main(argv=None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     parser.add_argument("--steps", type=int, default=5, help="timed steps of each side")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
