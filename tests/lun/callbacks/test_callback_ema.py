@@ -1,4 +1,5 @@
 import math
+import re
 import os
 from types import SimpleNamespace
 
@@ -350,3 +351,22 @@ def test_auto_ema_equals_hand_computed_average_and_prints_its_choice(
         assert_close(shadow.double(), expected[name], rtol=1e-5, atol=1e-6)
     line = f"EMA: shadows in host RAM, updated every {ema.update_every} optimizer step(s)"
     assert line in caplog.text
+
+
+def test_a_fixed_update_every_prints_its_cost_and_the_n_that_would_fit(
+    make_module, make_loader, fit, caplog
+):
+    """A fixed N keeps its N (and its exact average) but still says what it costs; over the
+    budget the line names the N that fits: ceil(update / (budget x step)) of the printed times."""
+    caplog.set_level("INFO")
+    ema = EMA(decay=0.9, update_every=1, budget=1e-6, warmup="none")
+    updates = UpdateSteps(ema)
+    fit(make_module(), [SeedEveryStep(), ema, updates], make_loader(batches=8), max_steps=8)
+    assert updates.steps == list(range(1, 9)) and ema.update_every == 1  # N is the user's
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("EMA:"))
+    assert line.startswith("EMA: shadows in host RAM, updated every 1 optimizer step(s)")
+    found = re.search(r"over the budget: update_every=(\d+) \(or 'auto'\) would fit", line)
+    assert found, line
+    # 1e-6 of a step is far less than any update: the fitting N is large (hand bound: an
+    # update costs at least ~1e-3 of this tiny model's step).
+    assert int(found.group(1)) > 100, line
