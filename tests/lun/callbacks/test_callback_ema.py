@@ -1,6 +1,6 @@
 import math
-import re
 import os
+import re
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
