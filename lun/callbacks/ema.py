@@ -152,6 +152,7 @@ class EMA(Callback):
         self._params_of = None  # the module they belong to
         self._where = "host RAM"
         self._lists: tuple[list, list, list] | None = None  # (params, staging, shadows), in order
+        self._fp32 = True  # are the weights (and so the staging buffers) all fp32?
 
     # --- the average -------------------------------------------------------------------------
     def decay_at(self, n: int) -> float:
@@ -273,7 +274,7 @@ class EMA(Callback):
             copy_done.synchronize()
         _, staging, shadows = self._ordered(None)
         sources = staging if sources is None else sources
-        if all(s.dtype == torch.float32 for s in sources):
+        if self._fp32:  # the staging buffers have the weights' dtypes
             torch._foreach_lerp_(shadows, sources, weight)  # one call for all tensors
         else:
             torch._foreach_lerp_(shadows, [s.float() for s in sources], weight)
@@ -285,6 +286,7 @@ class EMA(Callback):
             names = list(self.shadows)
             lists = ([params[n].detach() for n in names], [self._staging[n] for n in names])
             self._lists = (*lists, [self.shadows[n] for n in names])
+            self._fp32 = all(w.dtype == torch.float32 for w in lists[0])  # checked once
         return self._lists
 
     def _finish(self) -> None:

@@ -370,3 +370,27 @@ def test_a_fixed_update_every_prints_its_cost_and_the_n_that_would_fit(
     # 1e-6 of a step is far less than any update: the fitting N is large (hand bound: an
     # update costs at least ~1e-3 of this tiny model's step).
     assert int(found.group(1)) > 100, line
+
+
+def test_bf16_weights_fold_into_fp32_shadows(make_module, make_loader, fit):
+    """Weights in bf16 (precision bf16-true) are folded in as fp32 values: the fp32 average of
+    the recorded bf16 weights, by the formula (shadow <- d * shadow + (1 - d) * weight)."""
+    decay, max_steps = 0.5, 3
+    recorder, ema, module = WeightRecorder(), EMA(decay=decay, warmup="none"), make_module()
+    fit(
+        module,
+        [SeedEveryStep(), recorder, ema],
+        make_loader(batches=4),
+        max_steps=max_steps,
+        precision="bf16-true",
+    )
+    assert {p.dtype for p in module.ema_module.parameters()} == {torch.bfloat16}
+    expected = {n: w.double() for n, w in recorder.by_step[0].items()}
+    for step in range(1, max_steps + 1):
+        expected = {
+            n: decay * s + (1 - decay) * recorder.by_step[step][n].double()
+            for n, s in expected.items()
+        }
+    for name, shadow in ema.shadows.items():
+        assert shadow.dtype == torch.float32
+        assert_close(shadow.double(), expected[name], rtol=1e-6, atol=1e-7)
