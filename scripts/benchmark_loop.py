@@ -12,12 +12,18 @@ config through the same functions (`lun.trainer.build_model`, `build_data`,
                          optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
 
 and `main.py` runs `-t` on the config with its defaults (progress bar, throughput, checkpoints,
-NaN guard, LR monitor, RNG state; the demo's EMA). The plain loop runs before and after main.py
-and its mean counts (a shared machine's load drifts). Printed: the median ms per optimizer step
-of each after the warm-up, and the overhead (main.py - plain), in wall time and in CPU time of
-the process (all its threads: on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
+NaN guard, LR monitor, RNG state; the demo's EMA). Two pieces of main.py's step are work a bare
+loop does not do at all: the NaN/inf check of the gradients (so a bad step is skipped) and the
+EMA fold. The plain loop therefore runs twice, bare and with the same two pieces done by hand
+(`same_work`), and the loop's own overhead is main.py minus the plain loop with the same work;
+the cost of the two pieces is printed on its own row (the EMA's share of the step is also what
+the EMA callback prints when training starts). The three runs alternate for `--rounds` rounds
+and each figure is the median over the rounds (a shared machine's load drifts). Printed: ms per
+optimizer step after the warm-up, in wall time and in CPU time of the process (all its threads:
+on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
 (`.item()`, `bool()`, `float()`, `.tolist()`: the host-device syncs on an accelerator) are
-counted per step of main.py, and the steps that had one are listed: only logging steps should.
+counted per step of main.py, and the steps that had one are listed: only logging steps and
+epoch ends should.
 """
 
 import argparse
