@@ -286,7 +286,12 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=32, help="UNet model_channels")
     parser.add_argument("--batch-size", type=int, default=32, help="images per step")
     parser.add_argument("--images", type=int, default=256, help="generated training images")
-    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternating rounds of the three (more on a busy machine)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--log-every", type=int, default=25, help="main.py's log_every_n_steps")
     parser.add_argument(
