@@ -204,9 +204,9 @@ class EMA(Callback):
 
     @staticmethod
     def _check_strategy(trainer) -> None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lun.strategies import strategy_kind
 
-        if isinstance(trainer.strategy, ModelParallelStrategy):
+        if strategy_kind(trainer.strategy) == "model_parallel":
             raise ValueError(
                 "EMA needs the full weights, and ModelParallelStrategy (DTensor) has no gather here. "
                 "Use DDP, DeepSpeed or FSDP with EMA, or remove the EMA callback."
