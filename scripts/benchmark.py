@@ -45,6 +45,9 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - flux: one Flux.1-dev-structure training step (width 768, 2 double + 4 single blocks, 32x32x16
   latent, 64 T5 tokens, batch 1) against diffusers' FluxTransformer2DModel holding the same
   weights, the same fused AdamW, fp32 (scripts/benchmark_flux.py).
+- mmdit: one SD 3.5 Medium-structure MMDiT training step (width 1536, 2 joint blocks, 32x32x16
+  latent, 154 text tokens, batch 1) against diffusers' SD3Transformer2DModel holding the same
+  weights, the same fused AdamW, fp32, and the peak memory of each (scripts/benchmark_mmdit.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -433,6 +436,7 @@ SECTIONS = [
     "vae",
     "sdxl",
     "flux",
+    "mmdit",
     "loop",
 ]
 
@@ -488,6 +492,7 @@ def main(argv=None) -> None:
     from benchmark_dit import dit_section
     from benchmark_flux import flux_section
     from benchmark_lora import lora_section
+    from benchmark_mmdit import mmdit_section
     from benchmark_sdxl import sdxl_section
     from benchmark_vae import vae_section
 
@@ -500,6 +505,7 @@ def main(argv=None) -> None:
         "vae": vae_section,
         "sdxl": sdxl_section,
         "flux": flux_section,
+        "mmdit": mmdit_section,
     }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:
