@@ -100,7 +100,8 @@ def peak_memory(module_name: str, which: str, device, network) -> dict[str, int]
 
 def measure_memory(module_name: str, which: str, device, network) -> dict[str, int]:
     out = subprocess.run(
-        [sys.executable, __file__, module_name, which, str(device), json.dumps(network)],
+        [sys.executable, __file__, module_name, which, "--device", str(device)]
+        + ["--network", json.dumps(network)],
         capture_output=True,
         text=True,
         check=True,
@@ -133,9 +134,27 @@ def section(module, args, device, network, memory: bool = False) -> list[str]:
     return rows
 
 
-if __name__ == "__main__":  # the memory child: MODULE SIDE DEVICE NETWORK_JSON
+def child_main(argv=None) -> None:
+    """The memory child: one side's peak of one step, printed as JSON."""
+    import argparse
+
+    from lun.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        description="peak memory of one backbone training step (benchmark.py runs this)",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("module", help="a section module, e.g. benchmark_mmdit")
+    parser.add_argument("side", choices=SIDES)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--network", default="{}", help="the module's network arguments, JSON")
+    args = parser.parse_args(argv)
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
-    name, side, device_name, network_json = sys.argv[1:5]
-    print(json.dumps(peak_memory(name, side, torch.device(device_name), json.loads(network_json))))
+    network = json.loads(args.network)
+    print(json.dumps(peak_memory(args.module, args.side, torch.device(args.device), network)))
+
+
+if __name__ == "__main__":
+    child_main()

@@ -65,6 +65,7 @@ def build_models(device, network=NETWORK):
         attention_head_dim=network["hidden_size"] // network["num_heads"],
         num_attention_heads=network["num_heads"],
         guidance_embeds=True,
+        axes_dims_rope=tuple(network.get("axes_dim", (16, 56, 56))),  # BFL's RoPE axes
     )
     convert = diffusers_flux_converter(network["hidden_size"])
     theirs.load_state_dict(convert(dict(ours.state_dict())), strict=True)

@@ -133,3 +133,9 @@ def folder_state(folder: Path, unsafe: bool = False) -> dict:
         if (folder / name).is_dir()
     }
     return sd3.from_diffusers(components)
+
+
+if __name__ == "__main__":  # alone: convert.py (its flags apply: --help)
+    from convert import main
+
+    main()
