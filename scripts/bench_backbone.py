@@ -54,9 +54,18 @@ def output_gap(module, ours, theirs, batch) -> str:
 
 
 def seconds_per_step(module, args, device, network) -> dict[str, float]:
-    from benchmark import alternated_median_seconds
+    """Median seconds of a step of each side, A B B A ...; with `--cpu-seconds` on a CPU, in
+    CPU seconds on one thread (a shared machine's wall clock swings several-fold)."""
+    import time
+
+    import torch
+    from benchmark_dit import turns_median_seconds
 
     from ldm.optim import build_optimizer
+
+    cpu_seconds = getattr(args, "cpu_seconds", False) and device.type == "cpu"
+    if cpu_seconds:
+        torch.set_num_threads(1)  # process time is then the step's own time
 
     ours, theirs = module.build_models(device, network)
     batch = module.inputs(device, network)
@@ -66,7 +75,8 @@ def seconds_per_step(module, args, device, network) -> dict[str, float]:
     for label, model in models.items():  # the same optimizer on both sides: fused AdamW
         optimizer = build_optimizer(model.parameters(), lr=1e-5)
         steps[label] = lambda m=model, o=optimizer: train_step(module.forward, m, o, batch)
-    return alternated_median_seconds(steps, device, args.steps, args.warmup)
+    clock = time.process_time if cpu_seconds else time.perf_counter
+    return turns_median_seconds(steps, device, args.steps, args.warmup, clock)
 
 
 def peak_memory(module_name: str, which: str, device, network) -> dict[str, int]:
@@ -116,14 +126,16 @@ def section(module, args, device, network, memory: bool = False) -> list[str]:
     """The markdown rows of one backbone section: img/s of each side and ours / diffusers; with
     `memory`, the peak of a step and ours / diffusers too."""
     seconds = seconds_per_step(module, args, device, network)
-    header = f"| {module.TITLE} | dtype | img/s | vs diffusers |"
+    cpu_seconds = getattr(args, "cpu_seconds", False) and device.type == "cpu"
+    speed = "img/CPU-s (1 thread)" if cpu_seconds else "img/s"
+    header = f"| {module.TITLE} | dtype | {speed} | vs diffusers |"
     if memory:
         peaks = {w: measure_memory(module.__name__, w, device, network) for w in SIDES}
         header += " peak memory | ours / diffusers (peak) |"
     rows = [header, "|---" * header.count(" |") + "|"]
     for label in SIDES:
         row = (
-            f"| {label} | fp32 | {module.BATCH / seconds[label]:.2f} | "
+            f"| {label} | fp32 | {module.BATCH / seconds[label]:.3g} | "
             f"{seconds['diffusers'] / seconds[label]:.2f}x |"
         )
         if memory:

@@ -465,7 +465,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--cpu-seconds",
         action="store_true",
-        help="dit section on CPU: time steps in CPU seconds on one thread (shared machines)",
+        help="dit, sdxl, flux, mmdit sections on CPU: time steps in CPU seconds on one thread "
+        "(shared machines)",
     )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
