@@ -41,6 +41,7 @@ def build_models(device, network=NETWORK):
     from diffusers import SD3Transformer2DModel
     from diffusers.loaders.single_file_utils import convert_sd3_transformer_checkpoint_to_diffusers
 
+    from ldm.layout import sd3
     from ldm.mmdit import MMDiT
 
     torch.manual_seed(0)
@@ -62,7 +63,7 @@ def build_models(device, network=NETWORK):
         dual_attention_layers=tuple(network.get("dual_attention_layers", ())),
     )
     # The single-file layout under Stability's prefix, as the converter reads it.
-    state = {"model.diffusion_model." + k: v for k, v in ours.state_dict().items()}
+    state = {sd3.BACKBONE + k: v for k, v in ours.state_dict().items()}
     theirs.load_state_dict(convert_sd3_transformer_checkpoint_to_diffusers(state), strict=True)
     return ours.to(device).train(), theirs.to(device).train()
 
