@@ -496,8 +496,8 @@ def main(argv=None) -> None:
     from benchmark_dit import dit_section
     from benchmark_flux import flux_section
     from benchmark_lora import lora_section
-    from benchmark_quant_lora import quant_lora_section
     from benchmark_mmdit import mmdit_section
+    from benchmark_quant_lora import quant_lora_section
     from benchmark_sdxl import sdxl_section
     from benchmark_vae import vae_section
 

@@ -40,8 +40,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmark_flux import BATCH, LATENT, NETWORK, TOKENS, diffusers_flux_converter, flux_inputs
-from benchmark_flux import flux_train_step as train_step
+from bench_backbone import train_step as backbone_train_step
+from benchmark_flux import BATCH, LATENT, NETWORK, TOKENS, diffusers_flux_converter
+from benchmark_flux import forward as flux_forward
+from benchmark_flux import inputs as flux_inputs
+
+
+def train_step(model, optimizer, batch) -> None:
+    backbone_train_step(flux_forward, model, optimizer, batch)
+
 
 KINDS = ("int8", "nf4", "fp8")
 RANK = 16
@@ -249,7 +256,6 @@ def peak_memory(which: str, kind: str, device, network: dict) -> int:
 
 def quant_lora_section(args, device, kinds=KINDS, network: dict = NETWORK) -> list[str]:
     import torch
-    from benchmark_flux import flux_forward
     from benchmark_lora import paired_seconds
 
     rows = [

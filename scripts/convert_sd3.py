@@ -135,7 +135,7 @@ def folder_state(folder: Path, unsafe: bool = False) -> dict:
     return sd3.from_diffusers(components)
 
 
-if __name__ == "__main__":  # alone: convert.py (its flags apply: --help)
-    from convert import main
+if __name__ == "__main__":  # alone: convert.py (its flags apply: --help); run, not imported,
+    import runpy  # so that convert.py <-> convert_sd3.py is no import circle
 
-    main()
+    runpy.run_path(str(Path(__file__).with_name("convert.py")), run_name="__main__")
