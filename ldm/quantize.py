@@ -87,8 +87,9 @@ class Fp8Conv2d(Fp8Storage):
 
 
 def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' int8 matmul (its autograd Function) returns a 3-d input's output as a view,
-    which autograd forbids to modify in place; the blocks do (`ff(x).add_(x)`): a copy then."""
+    """bitsandbytes' int8 and 4-bit matmuls (autograd Functions) return a 3-d input's output as
+    a view, which autograd forbids to modify in place; the blocks do (`ff(x).add_(x)`): a copy
+    then."""
     return output.clone() if output._is_view() else output
 
 
@@ -129,6 +130,7 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    layer.register_forward_hook(_own_output)
     return layer.to(linear.weight.device)
 
 

@@ -281,6 +281,9 @@ def compare_quantizations(args) -> None:
         rows[kind] = {**score(ckpt, args.n, args.size), "train_s": cpu_s}
         print(comparison_table(rows)[-1], flush=True)  # each row as soon as it is scored
     print("\n" + "\n".join(comparison_table(rows)), flush=True)
+    if args.score_base:  # what the LoRAs started from
+        r = score(args.base_ckpt, args.n, args.size)
+        print("the base without a LoRA: " + ", ".join(f"{k} {v:.0f} %" for k, v in r.items()))
 
 
 def main(argv=None) -> None:
@@ -306,6 +309,9 @@ def main(argv=None) -> None:
         type=quantizations,
         help="compare the LoRA on the base in these formats, e.g. none,int8,nf4,fp8 "
         "(none is always trained: the row the others are compared with)",
+    )
+    parser.add_argument(
+        "--score-base", action="store_true", help="with --base-quantization: score the base too"
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="with --base-quantization: LoRA runs at a time"
