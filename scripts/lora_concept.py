@@ -80,7 +80,7 @@ def read_color(image: np.ndarray) -> str | None:
     return list(PALETTE)[int(np.argmin(np.linalg.norm(palette - foreground, axis=-1)))]
 
 
-def sample(model, prompt: str, n: int, size: int) -> np.ndarray:
+def sample(model, prompt: str, n: int, size: int, steps: int = SAMPLING["steps"]) -> np.ndarray:
     """`n` images of `prompt`, image i from seed i (as eval_shapes.py), as uint8 (n, H, W, 3)."""
     import torch
 
@@ -88,11 +88,12 @@ def sample(model, prompt: str, n: int, size: int) -> np.ndarray:
 
     noise = starting_noise(list(range(n)), model.latent_shape(size, size), model.device)
     with torch.no_grad():
-        images = model.sample([prompt] * n, height=size, width=size, noise=noise, **SAMPLING)
+        settings = {**SAMPLING, "steps": steps}
+        images = model.sample([prompt] * n, height=size, width=size, noise=noise, **settings)
     return eval_shapes.to_uint8(images)
 
 
-def score(ckpt: str, n: int, size: int) -> dict:
+def score(ckpt: str, n: int, size: int, steps: int = SAMPLING["steps"]) -> dict:
     """The table's numbers for one checkpoint (its config found beside it, else the demo's)."""
     from lun.generation import load_model
 
@@ -102,11 +103,16 @@ def score(ckpt: str, n: int, size: int) -> dict:
     )
     concept = [
         read_color(x) == "pink" and eval_shapes.analyze(x).shape == "circle"
-        for x in sample(model, INSTANCE_PROMPT, n, size)
+        for x in sample(model, INSTANCE_PROMPT, n, size, steps)
     ]
-    drift = [read_color(x) == "pink" for x in sample(model, CLASS_PROMPT, n, size)]
+    drift = [read_color(x) == "pink" for x in sample(model, CLASS_PROMPT, n, size, steps)]
     base_args = argparse.Namespace(
-        n=n // 2, template="{a} {color} {shape}", size=size, seed=0, batch_size=72, **SAMPLING
+        n=n // 2,
+        template="{a} {color} {shape}",
+        size=size,
+        seed=0,
+        batch_size=72,
+        **{**SAMPLING, "steps": steps},
     )
     scores, _, _ = eval_shapes.evaluate(model, base_args)
     return {
@@ -278,11 +284,11 @@ def compare_quantizations(args) -> None:
     runs = train_each(args, args.base_quantization)
     rows = {}
     for kind, (ckpt, cpu_s) in sorted(runs.items(), key=lambda r: QUANTIZATIONS.index(r[0])):
-        rows[kind] = {**score(ckpt, args.n, args.size), "train_s": cpu_s}
+        rows[kind] = {**score(ckpt, args.n, args.size, args.sample_steps), "train_s": cpu_s}
         print(comparison_table(rows)[-1], flush=True)  # each row as soon as it is scored
     print("\n" + "\n".join(comparison_table(rows)), flush=True)
     if args.score_base:  # what the LoRAs started from
-        r = score(args.base_ckpt, args.n, args.size)
+        r = score(args.base_ckpt, args.n, args.size, args.sample_steps)
         print("the base without a LoRA: " + ", ".join(f"{k} {v:.0f} %" for k, v in r.items()))
 
 
@@ -304,6 +310,9 @@ def main(argv=None) -> None:
         "--n", type=int, default=16, help="images per concept prompt (8 per base prompt)"
     )
     parser.add_argument("--size", type=int, default=16, help="image side of the demo")
+    parser.add_argument(
+        "--sample-steps", type=int, default=SAMPLING["steps"], help="DDIM steps of the scoring"
+    )
     parser.add_argument(
         "--base-quantization",
         type=quantizations,
@@ -341,7 +350,7 @@ def main(argv=None) -> None:
     runs = (("lora", False), ("lora + prior preservation", True), ("base", None))
     for name, prior in runs:  # each row as soon as it is measured, the LoRAs' first
         ckpt = args.base_ckpt if prior is None else train(args, name.replace(" ", ""), prior)
-        r = score(ckpt, args.n, args.size)
+        r = score(ckpt, args.n, args.size, args.sample_steps)
         print(
             f"| {name} | {r['concept']:.0f} % | {r['drift']:.0f} % | {r['colour']:.1f} % "
             f"| {r['shape']:.1f} % | {r['both']:.1f} % |",

@@ -105,7 +105,7 @@ def test_the_lora_trains_on_the_base_in_each_format_and_is_compared(tmp_path, ca
     out = tmp_path / "out"
     main(
         ["--base-ckpt", str(base), "--out", str(out), "--base-quantization", "int8,nf4,fp8"]
-        + ["--steps", "2", "--n", "2", "--instances", "2", "--jobs", "2"]
+        + ["--steps", "2", "--n", "2", "--instances", "2", "--jobs", "2", "--sample-steps", "2"]
     )
     printed = capsys.readouterr().out
     table = printed[printed.index("| base |") :].strip().splitlines()
