@@ -86,6 +86,13 @@ class Fp8Conv2d(Fp8Storage):
         )
 
 
+def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' int8 and 4-bit matmuls (autograd Functions) return a 3-d input's output as
+    a view, which autograd forbids to modify in place; the blocks do (`ff(x).add_(x)`): a copy
+    then."""
+    return output.clone() if output._is_view() else output
+
+
 def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     import bitsandbytes as bnb
 
@@ -101,6 +108,7 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    layer.register_forward_hook(_own_output)
     return layer.to(linear.weight.device)  # bitsandbytes quantizes on the move
 
 
@@ -122,6 +130,7 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    layer.register_forward_hook(_own_output)
     return layer.to(linear.weight.device)
 
 
