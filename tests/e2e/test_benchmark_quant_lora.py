@@ -4,8 +4,14 @@ a training step moves the adapters of each."""
 
 import pytest
 import torch
-from benchmark_flux import flux_forward
-from benchmark_quant_lora import build, flux_inputs, optimizer, quant_lora_section, train_step
+from benchmark_quant_lora import (
+    build,
+    flux_forward,
+    flux_inputs,
+    optimizer,
+    quant_lora_section,
+    train_step,
+)
 
 TINY = dict(depth=2, depth_single_blocks=2, hidden_size=32, num_heads=2, axes_dim=(4, 6, 6))
 TINY["guidance_embed"] = True
