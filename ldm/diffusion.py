@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, objectives
-from ldm import lora as lora_module
+from ldm.adapters import training_mode
 from ldm.attention import sdpa_kernels
 from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.compat_api import CompVisAPI, named_conditioning
@@ -177,7 +177,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         # Everything that can be wrong in the settings is checked before anything is built.
         objective, speed = grouped_settings(flat, objective, speed)
         objective = objectives.build(parameterization, objective)
-        self.lora_settings = lora_module.parse_settings(lora)
+        self.training_mode = training_mode(lora)  # full fine-tuning, or adapters (`lora:`)
         compile_options = (
             compile_arguments(speed.compile_backbone) if speed.compile_backbone else None
         )
@@ -208,14 +208,10 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
             self.register_buffer(name, value, persistent=schedule_in_checkpoint)
         self._schedule_names = tuple(buffers)
 
-        if self.lora_settings is not None:
-            lora_module.add_adapters(
-                self, self.lora_settings
-            )  # before loading: a LoRA run's file has them
+        self.training_mode.attach(self)  # before loading: a LoRA run's file has its adapters
         if ckpt_path:
             loaded = checkpoint.load_weights(self, ckpt_path, ema=load_ema)
-            if self.lora_settings is not None:
-                lora_module.after_loading(self, loaded)
+            self.training_mode.after_loading(self, loaded)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
         self.first_stage_fp32, self.channels_last = speed.first_stage_fp32, speed.channels_last
         if speed.channels_last:
@@ -450,32 +446,37 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         return per_sample
 
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        text_params = [p for p in self.conditioner.parameters() if p.requires_grad]
-        text = self.lora_settings and self.lora_settings.text_encoder
-        text_lr = text and text.lr
-        if text_lr and text_params:  # the text encoder's adapters at their own rate
-            params = [{"params": params}, {"params": text_params, "lr": text_lr}]
-        else:
-            params += text_params
+        params = self.training_mode.parameter_groups(
+            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in self.conditioner.parameters() if p.requires_grad],
+        )
         optimizer = build_optimizer(
             params, self.learning_rate, self.optimizer_config, fuse=not self._clips_under_amp()
         )
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
 
-    # --- LoRA: the frozen base in the training dtype, the checkpoint in the original layout ----
+    # --- the training mode's hooks (`ldm.adapters`: full fine-tuning, or LoRA's frozen base
+    # in the training dtype and checkpoints in the original layout) ---------------------------
     def setup(self, stage: str) -> None:
-        if self.lora_settings is not None and stage == "fit":
-            lora_module.hold_base_for_training(self, self.trainer)
+        if stage == "fit":
+            self.training_mode.on_fit_start(self, self.trainer)
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
-        if self.lora_settings is not None:
-            lora_module.save_layout(self, ckpt)
+        self.training_mode.on_save_checkpoint(self, ckpt)
 
     def on_load_checkpoint(self, ckpt: dict) -> None:
-        if self.lora_settings is not None:
-            lora_module.load_layout(self, ckpt)
+        self.training_mode.on_load_checkpoint(self, ckpt)
+
+    @property
+    def lora_settings(self):
+        """The training mode's settings: a LoRA run's `ldm.lora.LoraSettings` (None when the
+        whole backbone trains); lun's memory plan resolves `base_quantization: auto` into it."""
+        return self.training_mode.settings
+
+    @lora_settings.setter
+    def lora_settings(self, settings) -> None:
+        self.training_mode.settings = settings
 
     def _clips_under_amp(self) -> bool:
         """Lightning's mixed-precision plugin clips gradients itself and refuses an optimizer
