@@ -19,7 +19,6 @@ from torch.nn.attention import sdpa_kernel
 from ldm import checkpoint, objectives
 from ldm.adapters import training_mode
 from ldm.attention import sdpa_kernels
-from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
@@ -309,10 +308,8 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     ) -> torch.Tensor:
         """A cached first-stage output -> scaled latent: posterior moments (B, 2C, h, w) are
         sampled as `encode_first_stage` samples them (same draw, same stream); a latent already
-        sampled and scaled (B, C, h, w) is used as it is."""
-        if latent.shape[1] == 2 * self.latent_channels:
-            return self.scale_latents(DiagonalGaussianDistribution(latent).sample(generator))
-        return latent
+        sampled and scaled (B, C, h, w) is used as it is (`batch_latents`, the contract's rule)."""
+        return self.batch_latents({"latent": latent}, generator)
 
     @torch.no_grad()
     def decode_first_stage(self, latents: torch.Tensor) -> torch.Tensor:
@@ -427,10 +424,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):
         """Noise the latents at times t drawn by the objective; returns (loss, per-sample loss,
         t in the backbone's units)."""
-        if "latent" in batch:  # cached (scripts/cache_latents.py): no VAE pass
-            z = self.cached_latent(batch["latent"], generator)
-        else:
-            z = self.encode_first_stage(batch["image"], generator)
+        z = self.batch_latents(batch, generator)  # cached latents or images (TrainingBatch)
         cond = self.conditioning(batch, generator, drop=self.training)
         t = self.objective.sample_t(z.shape[0], generator, z.device)
         noise = self.objective.draw_noise(z, generator)
@@ -439,11 +433,9 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
 
     def loss_at(self, z, cond, t, noise, batch) -> torch.Tensor:
         """Per-sample loss (B,) of the latents z noised with `noise` at times t (the objective's,
-        `ldm.objectives`), times the batch's per-image weights."""
+        `ldm.objectives`), times the batch's per-image weights (DreamBooth's prior loss)."""
         per_sample = self.objective.loss(self.apply_model, z, noise, t, cond, self.schedule)
-        if "loss_weight" in batch:  # per-image weights from the data (DreamBooth's prior loss)
-            per_sample = per_sample * batch["loss_weight"].to(per_sample)
-        return per_sample
+        return per_sample * self.batch_loss_weights(batch, per_sample)
 
     def configure_optimizers(self):
         params = self.training_mode.parameter_groups(
