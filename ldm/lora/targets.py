@@ -27,7 +27,7 @@ class Family:
     """A transformer backbone that owns its LoRA rules: `targets(backbone)` names the Linear
     layers LoRA adapts, `layout` (an ldm.layout.kohya_* module) writes and reads its files:
     `peft_adapters`, `to_kohya`, `from_kohya`, `to_diffusers`. The UNet's rules stay here and in
-    ldm.lora_kohya."""
+    ldm.layout.kohya."""
 
     name: str
     targets: object
