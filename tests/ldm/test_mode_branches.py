@@ -100,6 +100,11 @@ def branch_kinds(test: ast.AST) -> set[str]:
             kinds.add("probe")
         elif isinstance(node, ast.Constant) and node.value in BATCH_MODE_KEYS | FAMILY_KEYS:
             kinds.add("mode")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            # a name spelled as a string: getattr(model, "lora_settings", None), "sdxl" in name
+            words = re.split(r"\W+", node.value)
+            if any(FAMILY_OR_MODE.search(word) for word in words):
+                kinds.add("mode")
     if any(FAMILY_OR_MODE.search(name) for name in _names(test)):
         kinds.add("mode")
     return kinds
@@ -172,6 +177,8 @@ PLANTED = {
     "w = batch['loss_weight'] if 'loss_weight' in batch else 1": {"mode"},
     "if isinstance(backbone, MMDiT):\n    pass": {"mode"},
     "if self.backbone.learn_sigma:\n    pass": {"mode"},
+    "if getattr(model, 'lora_settings', None):\n    pass": {"mode"},
+    "if 'model.params.dreambooth' in keys:\n    pass": {"mode"},
     "names = [n for n in names if not peft.is_adapter_name(n)]": {"mode"},
     "if family.model_family(model) == family.SD2:\n    pass": {"mode"},
 }
