@@ -16,6 +16,7 @@ adapter code needs no knowledge of their insides (`ldm.text_encoder`, `ldm.condi
 """
 
 import dataclasses
+import importlib
 from collections.abc import Mapping
 
 from torch import nn
@@ -79,11 +80,16 @@ class FullFineTune(TrainingMode):
     """The whole backbone (and any trainable conditioner) trains; nothing is added or rewritten."""
 
 
-def training_mode(lora: Mapping | None) -> TrainingMode:
-    """The mode of `model.params.lora` (checked here: a bad value is a ValueError naming its key);
-    no block (or `lora: false`) is full fine-tuning."""
-    from ldm.lora.mode import LoraMode
-    from ldm.lora.settings import parse_settings
+# The adapter modes by their config key, as dotted names (like a config's `target`): this module
+# stays a leaf that the text encoders import for `AdapterTargets`, and ldm.lora, which asks the
+# encoders, is imported only when a run asks for it.
+ADAPTER_MODES = {"lora": "ldm.lora.mode.from_config"}
 
-    settings = parse_settings(lora)
-    return FullFineTune() if settings is None else LoraMode(settings)
+
+def training_mode(lora: Mapping | None) -> TrainingMode:
+    """The mode of `model.params.lora` (checked by its mode: a bad value is a ValueError naming
+    its key); no block (or `lora: false`) is full fine-tuning."""
+    if lora is None or lora is False:
+        return FullFineTune()
+    module, _, name = ADAPTER_MODES["lora"].rpartition(".")
+    return getattr(importlib.import_module(module), name)(lora)

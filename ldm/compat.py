@@ -181,13 +181,12 @@ def diffusion_engine_params(params: Mapping) -> dict:
     for old, new in DIFFUSION_ENGINE_RENAMES.items():
         if old in params:
             params[new] = params.pop(old)
-    # `image_size` (the latent side to sample at) as in CompVis configs; sgm configs have none,
-    # and SDXL (a 2816-wide vector) was trained at 1024 px: 128 latent pixels.
+    # `image_size` (the latent side to sample at) as in CompVis configs; sgm configs have none
+    # (then the UNet takes its released layout's: `ldm.unet.UNetModel`).
     backbone = params.get("backbone_config")
     if isinstance(backbone, Mapping):
         backbone_params = backbone.get("params") or {}
-        sdxl = backbone_params.get("adm_in_channels") == 2816
-        image_size = params.pop("image_size", 128 if sdxl else None)
+        image_size = params.pop("image_size", None)
         if image_size is not None and "image_size" not in backbone_params:
             params["backbone_config"] = _with_params(backbone, image_size=image_size)
     denoiser = params.pop("denoiser_config", None)

@@ -95,8 +95,8 @@ class TrainingContract:
     def strategy_problem(
         self, strategy: str, find_unused_parameters: bool = False, resuming: bool = False
     ) -> str | None:
-        """Why this module cannot train under `strategy` ("ddp", "deepspeed", "fsdp", "single"),
-        as one line naming the key to change; None when it can."""
+        """Why this module cannot train under `strategy` ("ddp", "deepspeed", "fsdp",
+        "model_parallel", "single"), as one line naming the key to change; None when it can."""
         return None
 
 

@@ -483,3 +483,18 @@ def openclip_lora_layers(tower: nn.Module, used_blocks: int) -> tuple[list[str],
     linears = [f[0] for f in found if f and int(f[1]) < used_blocks]
     fused = [f"transformer.resblocks.{i}.attn.in_proj_weight" for i in range(used_blocks)]
     return linears, fused
+
+
+def tokenizer_of(cls, params: dict) -> tuple[str | None, bool] | None:
+    """(tokenizer folder, unescapes HTML first) of the CLIP / OpenCLIP text encoder `cls` would
+    build from `params`, None when `cls` is no such encoder: for readers of a model config that
+    build nothing (the dataset report counts tokens; lun/data imports no model class)."""
+    if not isinstance(cls, type):
+        return None
+    if issubclass(cls, FrozenCLIPEmbedder):
+        version = params.get("version", "openai/clip-vit-large-patch14")
+        return clip_tokenizer_folder(version, params.get("tokenizer")), False
+    if issubclass(cls, FrozenOpenCLIPEmbedder):
+        # open_clip_tokenize unescapes HTML entities twice before tokenizing
+        return params.get("tokenizer"), True
+    return None

@@ -477,6 +477,8 @@ class UNetModel(UNet):
             adm_in_channels=adm_in_channels,
             image_size=image_size,
         )
+        if image_size is None:  # sgm configs give none: a released layout samples at its own size
+            layout = with_released_image_size(layout)
         super().__init__(
             layout,
             dropout=dropout,
@@ -520,6 +522,22 @@ SDXL = replace(
     adm_in_channels=2816,
     image_size=128,
 )
+
+
+PRESETS = (SD15, SD2, SDXL)
+
+
+def with_released_image_size(layout: UNetConfig) -> UNetConfig:
+    """`layout` with the image_size of the released model of that layout (SDXL base: 128 latent
+    pixels, trained at 1024 px); unchanged for a layout no preset has (a toy width, a refiner).
+    A layout, not a family: a toy SDXL keeps the default sample size."""
+
+    def fields(config: UNetConfig) -> dict:
+        values = {**vars(config), "image_size": None}
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+
+    preset = next((p for p in PRESETS if fields(p) == fields(layout)), None)
+    return replace(layout, image_size=preset.image_size) if preset else layout
 
 
 def sd15(image_size: int = 64, **options) -> UNet:

@@ -31,7 +31,8 @@ class TrainableModule(Protocol):
     gradient_checkpointing / set_gradient_checkpointing(enabled): activation recomputation of
         the trained network (None: it has none; setting it on then raises ValueError).
     strategy_problem(strategy, find_unused_parameters, resuming): why the module cannot train
-        under "ddp" / "deepspeed" / "fsdp" / "single" (one line naming the key), or None.
+        under `lun.strategies.strategy_kind`'s "ddp" / "deepspeed" / "fsdp" / "model_parallel" /
+        "single" (one line naming the key), or None.
     """
 
     ema_module: nn.Module

@@ -253,12 +253,12 @@ def take_held_save_signal() -> bool:
 def check_strategy_fits(model: "TrainableModule", strategy, resuming: bool = False) -> None:
     """Before the run folder: a strategy the module cannot train under (the module says which:
     `strategy_problem`) - its error would come from inside `fit`, after the folder exists."""
-    from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
+    from lun.strategies import find_unused_parameters, strategy_kind
 
-    kinds = {DeepSpeedStrategy: "deepspeed", FSDPStrategy: "fsdp", DDPStrategy: "ddp"}
-    kind = next((k for cls, k in kinds.items() if isinstance(strategy, cls)), "single")
-    ddp_kwargs = getattr(strategy, "_ddp_kwargs", {})  # DDPStrategy keeps its arguments there
-    unused = bool(ddp_kwargs.get("find_unused_parameters"))
-    problem = model.strategy_problem(kind, find_unused_parameters=unused, resuming=resuming)
+    problem = model.strategy_problem(
+        strategy_kind(strategy),
+        find_unused_parameters=find_unused_parameters(strategy),
+        resuming=resuming,
+    )
     if problem:
         raise ConfigError(problem)

@@ -139,6 +139,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     diffusers' own converters.
 
     `original`: the model's config as a dict (`{"model": {"target", "params"}}`)."""
+    from ldm.layout import family
     from ldm.layout.original import OPENCLIP_PREFIX, to_transformers_clip
     from ldm.util import instantiate_from_config
 
@@ -152,7 +153,7 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
     encoder = model.conditioner
-    if hasattr(encoder, "embedders"):  # sgm's GeneralConditioner: SDXL
+    if family.is_sdxl(original["model"]):
         return export_sdxl(state, original, model, out_dir)
     if not hasattr(encoder, "transformer") and not hasattr(encoder, "encode_with_transformer"):
         raise ValueError("--to-diffusers supports the SD 1.x, 2.x and SDXL text encoders")
@@ -201,8 +202,10 @@ def diffusers_unet(state: dict, original: dict):
     from diffusers import UNet2DConditionModel
     from diffusers.loaders import single_file_utils as sfu
 
+    from ldm.layout import family
+
     config = sfu.create_unet_diffusers_config_from_ldm(original, state)
-    if _is_sdxl(original):
+    if family.is_sdxl(original["model"]):
         # diffusers tells SDXL by its context width (2048 or 1280) and fixes the size features
         # at 256 channels; ours come from the model's config, so reduced widths export too.
         size_dim = _sdxl_size_embedders(original)[0]["params"].get("outdim", 256)
@@ -221,10 +224,6 @@ def diffusers_vae(state: dict, original: dict, scale_factor: float):
     vae = AutoencoderKL(**config)
     vae.load_state_dict(sfu.convert_ldm_vae_checkpoint(state, config))
     return vae
-
-
-def _is_sdxl(original: dict) -> bool:
-    return "conditioner_config" in original["model"]["params"]
 
 
 def _sdxl_size_embedders(original: dict) -> list:

@@ -54,7 +54,7 @@ def export(args) -> None:
         state = lora.kohya_state_dict(model, dtype)
         version = "sd_v2" if family.model_family(model) == family.SD2 else "sd_v1"
         version += "_v" if model.parameterization == "v" else ""
-        version = "sdxl_base_v1-0" if lora.is_sdxl(model) else version  # kohya's SDXL version
+        version = "sdxl_base_v1-0" if family.is_sdxl(model) else version  # kohya's SDXL version
         metadata = kohya.kohya_metadata(model.lora_settings, version)
     else:
         state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}

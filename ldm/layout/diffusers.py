@@ -95,7 +95,7 @@ def describe(folder: Path) -> FolderInfo:
     text = read_json(text_file)
     hidden_act = text.get("hidden_act", family_rules.DEFAULT_CLIP_ACTIVATION)
     clip = family_rules.CLIP_ACTIVATIONS.get(hidden_act)  # (family, which CLIP) or None
-    if unet.get("addition_embed_type") == "text_time":
+    if family_rules.is_sdxl(unet):
         family, reason = "sdxl", f"{unet_file}: addition_embed_type text_time"
     elif unet.get("addition_embed_type") or unet.get("class_embed_type"):
         raise DiffusersFolderError(

@@ -87,6 +87,45 @@ def model_family(source) -> str | None:
     return None
 
 
+def is_sdxl(source) -> bool:
+    """Whether `source` is SDXL - the one SDXL test: loaders, scripts, the config translation
+    and the LoRA file names all ask it. `source` is what they hold:
+
+    - a built model, a state dict or its keys: `model_family` says SDXL (sgm's conditioner
+      keys, `conditioner.embedders.*`);
+    - a model config (`{"target", "params"}`: ours, CompVis's or sgm's, translated or not): its
+      conditioner is sgm's `GeneralConditioner` (the module those keys belong to) over a UNet
+      backbone - read from the config, nothing built (an SDXL config names tokenizer and weight
+      files that need not be there yet);
+    - a diffusers `UNet2DConditionModel` config (`unet/config.json`): SDXL's size and crop
+      conditioning, `addition_embed_type: text_time` (diffusers'
+      `create_unet_diffusers_config_from_ldm` sets it for SDXL)."""
+    if isinstance(source, Mapping) and "target" in source:
+        return _config_is_sdxl(source)
+    if isinstance(source, Mapping) and ("addition_embed_type" in source or "_class_name" in source):
+        return source.get("addition_embed_type") == "text_time"
+    return model_family(source) == SDXL
+
+
+# A model config's backbone and conditioner, under their names in our configs, sgm's and CompVis'.
+_BACKBONE_CONFIGS = ("backbone_config", "network_config", "unet_config")
+_CONDITIONER_CONFIGS = ("conditioner_config", "cond_stage_config")
+
+
+def _config_is_sdxl(model_config: Mapping) -> bool:
+    params = model_config.get("params") or {}
+
+    def target(names: tuple[str, ...]) -> str:
+        config = next((params[k] for k in names if isinstance(params.get(k), Mapping)), {})
+        return str(config.get("target", ""))
+
+    backbone = target(
+        _BACKBONE_CONFIGS
+    )  # a UNetModel (CompVis', sgm's, ours) or an ldm.unet preset
+    unet = backbone.endswith(".UNetModel") or backbone.startswith("ldm.unet.")
+    return unet and target(_CONDITIONER_CONFIGS).endswith(".GeneralConditioner")
+
+
 def _config_family(model_config: Mapping) -> str | None:
     import torch
 

@@ -24,6 +24,7 @@ Checkpoint key rules live in `ldm.layout.peft`, kohya / diffusers names in `ldm.
 The names below stay importable from `ldm.lora` (scripts and tests use them).
 """
 
+from ldm.layout.family import is_sdxl  # the one SDXL test, kept importable from here
 from ldm.lora.base import (
     hold_base_for_training,
     hold_frozen_in,
@@ -49,7 +50,6 @@ from ldm.lora.targets import (
     adapter_layers,
     backbone_family,
     has_adapters,
-    is_sdxl,
     layer_name,
     res_blocks_of,
     unet_targets,
@@ -73,9 +73,9 @@ __all__ = [
     "backbone_family",
     "diffusers_state_dict",
     "has_adapters",
+    "is_sdxl",
     "hold_base_for_training",
     "hold_frozen_in",
-    "is_sdxl",
     "kohya_modules",
     "kohya_state_dict",
     "layer_name",

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from ldm.layout import kohya as lora_kohya
-from ldm.lora.targets import ADAPTER, adapter_layers, backbone_family, is_sdxl, res_blocks_of
+from ldm.layout.family import is_sdxl  # kohya names SDXL's layers its own way
+from ldm.lora.targets import ADAPTER, adapter_layers, backbone_family, res_blocks_of
 
 
 def _exported_parts(name: str, layer, adapter: str):

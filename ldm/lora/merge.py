@@ -8,6 +8,7 @@ from torch import nn
 
 from ldm.layout import kohya as lora_kohya
 from ldm.layout import original
+from ldm.layout.family import is_sdxl  # kohya names SDXL's layers its own way
 from ldm.lora.files import _magnitude_of
 from ldm.lora.inject import inject
 from ldm.lora.targets import (
@@ -17,7 +18,6 @@ from ldm.lora.targets import (
     backbone_family,
     has_adapters,
     is_lora_layer,
-    is_sdxl,
     lora_able,
     res_blocks_of,
 )

@@ -10,7 +10,7 @@ from ldm.lora.base import hold_base_for_training
 from ldm.lora.checkpoints import load_layout, save_layout
 from ldm.lora.inject import add_adapters, after_loading
 from ldm.lora.merge import merge_adapters
-from ldm.lora.settings import LoraSettings
+from ldm.lora.settings import LoraSettings, parse_settings
 
 
 class LoraMode(TrainingMode):
@@ -44,3 +44,8 @@ class LoraMode(TrainingMode):
 
     def merge(self, model: nn.Module, weight: float = 1.0) -> int:
         return merge_adapters(model, weight)
+
+
+def from_config(lora: Mapping) -> LoraMode:
+    """`model.params.lora` -> the mode (`ldm.adapters.training_mode` asks it by name)."""
+    return LoraMode(parse_settings(lora))

@@ -7,7 +7,6 @@ import re
 
 from torch import nn
 
-from ldm.layout import family as families
 from ldm.layout import peft
 
 ADAPTER = "default"  # peft's adapter name for the adapters we train
@@ -71,12 +70,6 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 def has_adapters(module: nn.Module) -> bool:
     return any(is_lora_layer(m) for m in module.modules())
-
-
-def is_sdxl(model: nn.Module) -> bool:
-    """An SDXL LatentDiffusion (kohya names its layers the SDXL way), by the one family rule
-    (`ldm.layout.family`: its checkpoint keys hold sgm's `conditioner.embedders.*`)."""
-    return families.model_family(model) == families.SDXL
 
 
 def res_blocks_of(unet: nn.Module) -> int:

@@ -98,12 +98,7 @@ def config_nodes(model_config):
 def text_encoders(model_config) -> list[dict]:
     """{name, tokenizer, max_length, unescape} of every CLIP / OpenCLIP text encoder in the model
     config (SDXL has two), with the tokenizer that encoder itself would build - nothing built."""
-    from ldm.text_encoder import (
-        FrozenCLIPEmbedder,
-        FrozenOpenCLIPEmbedder,
-        clip_tokenizer,
-        clip_tokenizer_folder,
-    )
+    from ldm.text_encoder import clip_tokenizer, tokenizer_of
     from ldm.util import get_obj_from_str
 
     found = []
@@ -112,16 +107,11 @@ def text_encoders(model_config) -> list[dict]:
             cls = get_obj_from_str(node["target"]) if isinstance(node.get("target"), str) else None
         except (ImportError, ValueError):
             continue
-        if not isinstance(cls, type) or not issubclass(
-            cls, FrozenCLIPEmbedder | FrozenOpenCLIPEmbedder
-        ):
-            continue
         params = node.get("params") or {}
-        folder = params.get("tokenizer")
-        if issubclass(cls, FrozenCLIPEmbedder):
-            folder = clip_tokenizer_folder(
-                params.get("version", "openai/clip-vit-large-patch14"), folder
-            )
+        tokenizer = tokenizer_of(cls, params)
+        if tokenizer is None:
+            continue
+        folder, unescape = tokenizer
         try:
             tokenizer, error = clip_tokenizer(folder), None
         except (FileNotFoundError, OSError) as err:  # no vocabulary here: say so, go on
@@ -132,8 +122,7 @@ def text_encoders(model_config) -> list[dict]:
                 "tokenizer": tokenizer,
                 "error": error,
                 "max_length": int(params.get("max_length", 77)),
-                # open_clip_tokenize unescapes HTML entities twice before tokenizing
-                "unescape": issubclass(cls, FrozenOpenCLIPEmbedder),
+                "unescape": unescape,
             }
         )
     return found

@@ -224,3 +224,78 @@ def test_the_scan_reads_constants_and_f_strings(tmp_path, source, expected):
     path.write_text(source)
     found = prefix_literals(path, key_prefixes(), tmp_path)
     assert [f.split(": ", 1)[1].strip("'") for f in found] == expected
+
+
+# --- one SDXL test -------------------------------------------------------------------------
+# `ldm.layout.family.is_sdxl` is the one place that tells SDXL (issue 31): a model by its keys,
+# a config by its conditioner, a diffusers UNet config by `addition_embed_type`. The other ways
+# it used to be told, each a shape the scan below finds anywhere else:
+SDXL_OWNER = "ldm/layout/family.py"
+# The LoRA code's own `is_sdxl` (hasattr(conditioner, "embedders")), which the adapters work of
+# issue 31.2 replaces by a call to family.is_sdxl: remove the entry when it has gone.
+SDXL_PENDING = set()
+SDXL_VECTOR_WIDTH = 1280 + 3 * 2 * 256  # SDXL base's `vector`: pooled bigG + 3 size pairs
+
+
+def sdxl_tests(path: Path, root: Path = ROOT) -> list[str]:
+    """Where a file tells SDXL itself: `hasattr(_, "embedders")` (sgm's conditioner), a
+    comparison with 2816 (the vector width) or with `text_time` (diffusers' addition_embed_type),
+    or a function of its own named `*is_sdxl`. Asserts are checks, not branches: not counted."""
+    tree = ast.parse(path.read_text())
+    asserted = {id(n) for a in ast.walk(tree) if isinstance(a, ast.Assert) for n in ast.walk(a)}
+    found = []
+    for node in ast.walk(tree):
+        what = None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.endswith(
+            "is_sdxl"
+        ):
+            what = f"def {node.name}"
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "hasattr"
+            and len(node.args) == 2
+            and getattr(node.args[1], "value", None) == "embedders"
+        ):
+            what = 'hasattr(..., "embedders")'
+        elif isinstance(node, ast.Compare) and id(node) not in asserted:
+            values = {getattr(n, "value", None) for n in [node.left, *node.comparators]}
+            if SDXL_VECTOR_WIDTH in values or "text_time" in values:
+                what = f"compares with {(values & {SDXL_VECTOR_WIDTH, 'text_time'}).pop()!r}"
+        if what:
+            found.append(f"{path.relative_to(root)}:{node.lineno}: {what}")
+    return found
+
+
+def test_sdxl_is_told_only_by_ldm_layout_family():
+    found, pending = [], set()
+    for path in production_files():
+        name = path.relative_to(ROOT).as_posix()
+        hits = sdxl_tests(path)
+        if name in SDXL_PENDING:
+            pending |= {name} if hits else set()
+        elif name != SDXL_OWNER:
+            found += hits
+    assert not found, "ask ldm.layout.family.is_sdxl instead:\n" + "\n".join(found)
+    assert pending == SDXL_PENDING, f"no SDXL test left in {SDXL_PENDING - pending}: unlist it"
+
+
+def test_the_owner_does_tell_sdxl():
+    assert sdxl_tests(ROOT / SDXL_OWNER)  # a scan that finds nothing proves nothing
+
+
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("x = hasattr(model.conditioner, 'embedders')\n", 1),
+        ("x = params.get('adm_in_channels') == 2816\n", 1),
+        ("if unet.get('addition_embed_type') == 'text_time':\n    pass\n", 1),
+        ("def _is_sdxl(config):\n    return True\n", 1),
+        ("assert config['addition_embed_type'] == 'text_time'\n", 0),  # a check of a result
+        ("x = hasattr(model, 'conditioner')\n", 0),
+        ("x = width == 2048\n", 0),
+    ],
+)
+def test_the_sdxl_scan_reads_each_shape(tmp_path, source, expected):
+    path = tmp_path / "probe.py"
+    path.write_text(source)
+    assert len(sdxl_tests(path, tmp_path)) == expected

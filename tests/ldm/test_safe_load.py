@@ -225,7 +225,7 @@ def test_the_allow_lists_are_exactly_these():
     assert allowed_global_names() == ALLOWED
     assert sharded_metadata_global_names() == SHARDED_METADATA
     if importlib.util.find_spec("deepspeed") is not None:
-        assert global_names(strategies._deepspeed_records()) == DEEPSPEED_RECORDS
+        assert global_names(strategies.checkpoint._deepspeed_records()) == DEEPSPEED_RECORDS
 
 
 def test_clean_folders_pass_the_checks(tmp_path):

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL_SPELLINGS = ("ldm.models.", "ldm.modules.", "sgm.")
 LAUNCHER_SPELLINGS = ("main.ImageLogger", "main.DataModuleFromConfig", "resume_from_checkpoint")
 # Pickled class names a checkpoint may hold (what the safe loaders accept), not translations.
-PICKLED = {"ldm/checkpoint.py", "lun/strategies.py"}
+PICKLED = {"ldm/checkpoint.py", "lun/strategies/checkpoint.py"}
 
 
 def spelled(path: Path, prefixes: tuple[str, ...]) -> list[str]:

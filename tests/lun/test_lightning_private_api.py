@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import FSDPStrategy
 
-STRATEGIES = "lun/strategies.py"
+STRATEGIES = "lun/strategies/"
 ATOMIC_IO = "lun/atomic_io.py"
 DATAMODULE = "lun/data/datamodule.py"
 CHECKPOINTS = "lun/callbacks/checkpoints.py"

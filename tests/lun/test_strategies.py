@@ -2,6 +2,7 @@
 real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulation, and the
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
+import importlib.util
 import socket
 import subprocess
 import sys
@@ -59,9 +60,9 @@ def test_other_names_go_to_lightning_unchanged():
 
 
 def test_missing_deepspeed_is_a_config_error_naming_pip(monkeypatch):
-    real_find_spec = lun.strategies.importlib.util.find_spec
+    real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        lun.strategies.importlib.util,
+        importlib.util,
         "find_spec",
         lambda name, *a: None if name == "deepspeed" else real_find_spec(name, *a),
     )
@@ -360,3 +361,24 @@ def test_ddp_on_two_nodes_under_torchrun_then_resume_and_export(tmp_path, shapes
     check_resumed_and_export(
         tmp_path, runs[0], "lightning.trainer.num_nodes=1", "lightning.trainer.devices=2"
     )
+
+
+def test_strategy_kind_names_each_engine_by_lightnings_classes():
+    """The one place strategies are told apart by class (issue 31): Lightning's own classes and
+    our adapters (subclasses) by engine; a name is not a strategy yet."""
+    from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
+    from lightning.pytorch.strategies import FSDPStrategy as LightningFSDP
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+    from lun.strategies import find_unused_parameters, strategy_kind
+
+    assert strategy_kind(FSDPStrategy()) == strategy_kind(LightningFSDP()) == "fsdp"
+    assert strategy_kind(DDPStrategy()) == "ddp"
+    assert strategy_kind(ModelParallelStrategy()) == "model_parallel"
+    assert strategy_kind(SingleDeviceStrategy("cpu")) == strategy_kind("ddp") == "single"
+    if importlib.util.find_spec("deepspeed"):
+        assert strategy_kind(DeepSpeedStrategy(stage=2)) == "deepspeed"
+        assert strategy_kind(LightningDeepSpeed(stage=2)) == "deepspeed"
+    assert find_unused_parameters(DDPStrategy(find_unused_parameters=True))
+    assert not find_unused_parameters(DDPStrategy())
+    assert not find_unused_parameters(FSDPStrategy())
