@@ -426,7 +426,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         t in the backbone's units)."""
         z = self.batch_latents(batch, generator)  # cached latents or images (TrainingBatch)
         cond = self.conditioning(batch, generator, drop=self.training)
-        t = self.objective.sample_t(z.shape[0], generator, z.device)
+        t = self.objective.sample_t(z.shape[0], generator, z.device, latent_size=z.shape[-2:])
         noise = self.objective.draw_noise(z, generator)
         per_sample = self.loss_at(z, cond, t, noise, batch)
         return per_sample.mean(), per_sample.detach(), t

@@ -14,7 +14,7 @@ classifier-free guidance and img2img. Random draws use only the `torch.Generator
 """
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +61,22 @@ def mode_heavy_tails(n, scale, generator=None, device=None) -> torch.Tensor:
     return 1 - u - scale * (torch.cos(math.pi / 2 * u) ** 2 - 1 + u)
 
 
+def dynamic_shift(
+    image_seq_len: int,
+    base_shift: float = 0.5,
+    max_shift: float = 1.15,
+    base_image_seq_len: int = 256,
+    max_image_seq_len: int = 4096,
+) -> float:
+    """Flux's image-size-dependent shift (BFL `src/flux/sampling.py` get_lin_function / get_schedule;
+    diffusers' `calculate_shift` with `use_dynamic_shifting`): mu on the line through
+    (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift) - 256 and 4096 tokens are
+    256 px and 1024 px images - and shift = exp(mu). BFL's time_shift exp(mu) / (exp(mu) + 1/t - 1)
+    is `shift_time(t, exp(mu))`. The same idea as SD3's sqrt(m/n) (sec. 5.3.2), fitted by BFL."""
+    slope = (max_shift - base_shift) / (max_image_seq_len - base_image_seq_len)
+    return math.exp(base_shift + slope * (image_seq_len - base_image_seq_len))
+
+
 @dataclass(frozen=True)
 class FlowSchedule:
     """How training draws t, from `model.params.schedule` of a `parameterization: flow` model.
@@ -68,6 +84,12 @@ class FlowSchedule:
     timestep_sampling: "logit_normal" (logit_mean, logit_std; the paper's best, rf/lognorm(0, 1)),
     "mode" (mode_scale; eq. 20) or "uniform"; shift: the resolution shift applied to the drawn t
     (training) and to the sampling steps (1.0 = none; SD3 at 1024 px: 3.0).
+
+    use_dynamic_shifting: instead of the one `shift`, each batch's own from its latent size
+    (`dynamic_shift` of its token count, a token being a patch_size x patch_size patch of the
+    latent): Flux's rule, so that a bucketed data set's sizes each get theirs. base_shift,
+    max_shift, base_image_seq_len, max_image_seq_len: its line (Flux's defaults; diffusers'
+    FlowMatchEulerDiscreteScheduler names). Sampling then uses BFL's step grid (`flux_sigmas`).
     """
 
     timestep_sampling: str = "logit_normal"
@@ -75,6 +97,12 @@ class FlowSchedule:
     logit_std: float = 1.0
     mode_scale: float = 1.29
     shift: float = 1.0
+    use_dynamic_shifting: bool = False
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    patch_size: int = 2
 
     def __post_init__(self):
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
@@ -86,16 +114,49 @@ class FlowSchedule:
             raise ValueError(f"schedule.shift must be > 0, got {self.shift}")
         if self.logit_std <= 0:
             raise ValueError(f"schedule.logit_std must be > 0, got {self.logit_std}")
+        if self.use_dynamic_shifting and not self.max_image_seq_len > self.base_image_seq_len:
+            raise ValueError(
+                "schedule.max_image_seq_len must be > schedule.base_image_seq_len, got "
+                f"{self.max_image_seq_len} and {self.base_image_seq_len}"
+            )
 
-    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
-        """(n,) training times in [0, 1], drawn and then shifted."""
+    def shift_for(self, latent_size: Sequence[int] | None = None) -> float:
+        """The shift of a batch of latents of `latent_size` (h, w): the fixed `shift`, or with
+        use_dynamic_shifting the one of its token count."""
+        if not self.use_dynamic_shifting:
+            return self.shift
+        if latent_size is None:
+            raise ValueError("use_dynamic_shifting needs the latent size (h, w) of the batch")
+        h, w = latent_size[-2:]
+        return dynamic_shift(
+            (h // self.patch_size) * (w // self.patch_size),
+            self.base_shift,
+            self.max_shift,
+            self.base_image_seq_len,
+            self.max_image_seq_len,
+        )
+
+    def sample_t(
+        self, n: int, generator=None, device=None, latent_size: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """(n,) training times in [0, 1], drawn and then shifted (by the batch's latent size
+        (h, w) with use_dynamic_shifting)."""
         if self.timestep_sampling == "logit_normal":
             t = logit_normal(n, self.logit_mean, self.logit_std, generator, device)
         elif self.timestep_sampling == "mode":
             t = mode_heavy_tails(n, self.mode_scale, generator, device)
         else:
             t = torch.rand(n, generator=generator, device=device)
-        return shift_time(t, self.shift)
+        return shift_time(t, self.shift_for(latent_size))
+
+    def sigmas(
+        self, steps: int, latent_size: Sequence[int] | None = None, num_train_timesteps: int = 1000
+    ) -> torch.Tensor:
+        """(steps + 1,) sampling times from 1 to 0 for latents of `latent_size`: SD3's grid with
+        the fixed shift, BFL's with use_dynamic_shifting."""
+        if self.use_dynamic_shifting:
+            return flux_sigmas(steps, self.shift_for(latent_size))
+        return flow_sigmas(steps, self.shift, num_train_timesteps)
 
 
 # --- samplers ------------------------------------------------------------------------------------
@@ -106,6 +167,14 @@ def flow_sigmas(steps: int, shift: float = 1.0, num_train_timesteps: int = 1000)
     t_min = shift_time(torch.tensor(1.0 / num_train_timesteps, dtype=torch.float64), shift)
     grid = torch.linspace(1.0, float(t_min), steps, dtype=torch.float64)
     return torch.cat([shift_time(grid, shift), grid.new_zeros(1)]).float()
+
+
+def flux_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """(steps + 1,) times from 1 down to 0 as BFL's get_schedule makes them for Flux: steps + 1
+    points evenly spaced from 1 to 0, each shifted (diffusers' FluxPipeline: its sigmas
+    linspace(1, 1/steps, steps) shifted by its scheduler, then 0)."""
+    grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return shift_time(grid, shift).float()
 
 
 @torch.no_grad()
@@ -159,11 +228,13 @@ def sample(
     strength: float = 1.0,
     callback: Callable[[dict], None] | None = None,
     num_train_timesteps: int = 1000,
+    sigmas: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Latents x_0 from a velocity network: model_fn(x_t, t * T, cond) -> v, t (B,) float.
 
     sampler: "euler" or "heun" ("ddim" is Euler, see SAMPLER_ALIASES); shift: the resolution
-    shift of the steps; scale: classifier-free guidance (Ho & Salimans 2022) on the velocity,
+    shift of the steps (or `sigmas`, the (steps + 1,) times from 1 to 0 themselves, e.g.
+    `FlowSchedule.sigmas`); scale: classifier-free guidance (Ho & Salimans 2022) on the velocity,
     which is affine in x_0, with `uncond` field by field (`ldm.sampling.classifier_free_guidance`);
     init_latent, strength: img2img (SDEdit) - run the last int(steps * strength) steps from
     x = (1 - t) init_latent + t noise, diffusers' SD3 img2img rule.
@@ -184,7 +255,8 @@ def sample(
     def velocity_model(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
         return guided(x, sigma * num_train_timesteps, cond)
 
-    sigmas = flow_sigmas(steps, shift, num_train_timesteps)
+    if sigmas is None:
+        sigmas = flow_sigmas(steps, shift, num_train_timesteps)
     x = noise
     if init_latent is not None and strength < 1.0:
         run = min(int(steps * strength), steps)

@@ -24,7 +24,6 @@ FSDP: wrap `DoubleStreamBlock` and `SingleStreamBlock`; they are also the gradie
 units.
 """
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ldm.dit import FinalLayer, layer_norm, modulate
+from ldm.flow import dynamic_shift
 from ldm.unet import timestep_embedding
 
 CONTEXT_DIM = 4096  # T5-XXL token width
@@ -46,24 +46,13 @@ GUIDANCE_SCALE_FACTOR = 1000.0  # BFL embeds guidance * 1000, as the timestep (t
 # --- the image-size-dependent time shift (BFL src/flux/sampling.py get_schedule) --------------
 
 
-def flux_mu(
-    image_seq_len: int,
-    base_shift: float = 0.5,
-    max_shift: float = 1.15,
-    base_seq_len: int = 256,
-    max_seq_len: int = 4096,
-) -> float:
-    """mu of Flux's time shift: a line through (256 tokens, 0.5) and (4096 tokens, 1.15), the
-    token counts of 256 px and 1024 px images (a token is a 2x2 patch of a 1/8 latent)."""
-    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
-    return base_shift + slope * (image_seq_len - base_seq_len)
-
-
 def flux_shift(image_seq_len: int, **kwargs) -> float:
     """The `shift` of ldm.flow for an image of `image_seq_len` tokens: BFL's time_shift
     exp(mu) / (exp(mu) + (1 / t - 1)) equals ldm.flow.shift_time(t, exp(mu)) = s t / (1 + (s - 1) t).
-    Larger images are shifted towards noise (SD3 sec. 5.3.2); 1024 px gives exp(1.15) ~ 3.16."""
-    return math.exp(flux_mu(image_seq_len, **kwargs))
+    Larger images are shifted towards noise (SD3 sec. 5.3.2); 1024 px gives exp(1.15) ~ 3.16.
+    The rule is `ldm.flow.dynamic_shift` (its keyword arguments: the line's two points), which
+    a flow schedule applies per batch with `use_dynamic_shifting: true`."""
+    return dynamic_shift(image_seq_len, **kwargs)
 
 
 def image_seq_len(height: int, width: int, patch_size: int = 2) -> int:

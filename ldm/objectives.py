@@ -59,8 +59,9 @@ class Objective:
         """The DDPM schedule buffers the module registers under their CompVis names."""
         return schedule_buffers(self.betas)
 
-    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
-        """(n,) training times in the backbone's units."""
+    def sample_t(self, n: int, generator=None, device=None, latent_size=None) -> torch.Tensor:
+        """(n,) training times in the backbone's units; latent_size: the batch's latent (h, w),
+        for a time distribution that depends on the image size (Flux's shift)."""
         raise NotImplementedError
 
     def draw_noise(self, z: torch.Tensor, generator=None) -> torch.Tensor:
@@ -134,7 +135,7 @@ class DDPM(Objective):
         self.num_timesteps = len(self.betas)
         self.min_snr_gamma = min_snr_gamma
 
-    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
+    def sample_t(self, n: int, generator=None, device=None, latent_size=None) -> torch.Tensor:
         return torch.randint(0, self.num_timesteps, (n,), generator=generator, device=device)
 
     @staticmethod
@@ -231,8 +232,8 @@ class LearnedVariance(Objective):
     def schedule_buffers(self) -> dict[str, torch.Tensor]:
         return self.mean.schedule_buffers()
 
-    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
-        return self.mean.sample_t(n, generator, device)
+    def sample_t(self, n: int, generator=None, device=None, latent_size=None) -> torch.Tensor:
+        return self.mean.sample_t(n, generator, device, latent_size)
 
     def draw_noise(self, z, generator=None) -> torch.Tensor:
         return self.mean.draw_noise(z, generator)
@@ -271,7 +272,8 @@ class RectifiedFlow(Objective):
 
     schedule: how t is drawn and shifted (`ldm.flow.FlowSchedule`: timestep_sampling
         logit_normal | mode | uniform, logit_mean, logit_std, mode_scale, shift; Esser et al.
-        2024 sec. 3.1 and 5.3.2). The density of t is the loss weighting (sec. 3.1): no
+        2024 sec. 3.1 and 5.3.2; or Flux's shift per batch from the latent size,
+        use_dynamic_shifting). The density of t is the loss weighting (sec. 3.1): no
         min-SNR weighting here.
     """
 
@@ -292,8 +294,8 @@ class RectifiedFlow(Objective):
         # keys and shapes; the flow reads none of them.
         self.betas = schedule_betas()
 
-    def sample_t(self, n: int, generator=None, device=None) -> torch.Tensor:
-        return self.times.sample_t(n, generator, device) * self.num_timesteps
+    def sample_t(self, n: int, generator=None, device=None, latent_size=None) -> torch.Tensor:
+        return self.times.sample_t(n, generator, device, latent_size) * self.num_timesteps
 
     def noised(self, z, noise, t, schedule: Schedule) -> torch.Tensor:
         return flow.noised(z, noise, t / self.num_timesteps)
@@ -308,10 +310,12 @@ class RectifiedFlow(Objective):
                 "karras and eta are DDPM sampler options: leave them out for a flow model"
             )
         options.pop("generator", None)  # the flow samplers draw nothing
+        steps = options.pop("steps", 28)
         return flow.sample(
             model_fn,
             noise,
-            shift=self.times.shift,
+            steps=steps,
+            sigmas=self.times.sigmas(steps, noise.shape[-2:], self.num_timesteps),
             num_train_timesteps=self.num_timesteps,
             **options,
         )

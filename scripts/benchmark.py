@@ -45,6 +45,11 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
 - flux: one Flux.1-dev-structure training step (width 768, 2 double + 4 single blocks, 32x32x16
   latent, 64 T5 tokens, batch 1) against diffusers' FluxTransformer2DModel holding the same
   weights, the same fused AdamW, fp32 (scripts/benchmark_flux.py).
+- quant_lora: a LoRA step of that Flux on an int8 / nf4 / fp8 frozen base against diffusers + peft
+  + bitsandbytes, speed and peak-memory ratios (scripts/benchmark_quant_lora.py).
+- mmdit: one SD 3.5 Medium-structure MMDiT training step (width 1536, 2 joint blocks, 32x32x16
+  latent, 154 text tokens, batch 1) against diffusers' SD3Transformer2DModel holding the same
+  weights, the same fused AdamW, fp32, and the peak memory of each (scripts/benchmark_mmdit.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
 """
 
@@ -433,6 +438,8 @@ SECTIONS = [
     "vae",
     "sdxl",
     "flux",
+    "quant_lora",
+    "mmdit",
     "loop",
 ]
 
@@ -461,7 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--cpu-seconds",
         action="store_true",
-        help="dit section on CPU: time steps in CPU seconds on one thread (shared machines)",
+        help="dit, sdxl, flux, mmdit sections on CPU: time steps in CPU seconds on one thread "
+        "(shared machines)",
     )
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--memory-child", choices=["ours", "diffusers"], help=argparse.SUPPRESS)
@@ -488,6 +496,8 @@ def main(argv=None) -> None:
     from benchmark_dit import dit_section
     from benchmark_flux import flux_section
     from benchmark_lora import lora_section
+    from benchmark_quant_lora import quant_lora_section
+    from benchmark_mmdit import mmdit_section
     from benchmark_sdxl import sdxl_section
     from benchmark_vae import vae_section
 
@@ -500,6 +510,8 @@ def main(argv=None) -> None:
         "vae": vae_section,
         "sdxl": sdxl_section,
         "flux": flux_section,
+        "quant_lora": quant_lora_section,
+        "mmdit": mmdit_section,
     }
     tables = [sections[name](args, device) for name in args.only if name in sections]
     if "data" in args.only:

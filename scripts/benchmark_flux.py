@@ -15,8 +15,10 @@ step by step.
 from __future__ import annotations
 
 import inspect
+import sys
 
-from benchmark import alternated_median_seconds
+import bench_backbone
+from bench_backbone import randomise
 
 NETWORK = dict(
     depth=2,
@@ -26,6 +28,10 @@ NETWORK = dict(
     guidance_embed=True,
 )
 BATCH, LATENT, TOKENS = 1, 32, 64
+TITLE = (
+    f"Flux.1-dev-structure train step (batch {BATCH}, {LATENT}x{LATENT}x16, {TOKENS} text "
+    "tokens, width 768, 2 double + 4 single blocks)"
+)
 
 
 def diffusers_flux_converter(width: int):
@@ -42,33 +48,31 @@ def diffusers_flux_converter(width: int):
     return namespace[convert.__name__]
 
 
-def build_flux_models(device):
-    """Our Flux and diffusers' FluxTransformer2DModel with the same weights (moved by seeded
-    noise: the zero-initialised modulations would leave the blocks idle)."""
+def build_models(device, network=NETWORK):
+    """Our Flux and diffusers' FluxTransformer2DModel with the same weights."""
     import torch
     from diffusers import FluxTransformer2DModel
 
     from ldm.flux import Flux
 
     torch.manual_seed(0)
-    ours = Flux(**NETWORK)
-    with torch.no_grad():
-        for param in ours.parameters():
-            param.add_(0.02 * torch.randn(param.shape))
+    ours = Flux(**network)
+    randomise(ours)
     theirs = FluxTransformer2DModel(
-        in_channels=64,
-        num_layers=NETWORK["depth"],
-        num_single_layers=NETWORK["depth_single_blocks"],
-        attention_head_dim=NETWORK["hidden_size"] // NETWORK["num_heads"],
-        num_attention_heads=NETWORK["num_heads"],
+        in_channels=4 * network.get("in_channels", 16),
+        num_layers=network["depth"],
+        num_single_layers=network["depth_single_blocks"],
+        attention_head_dim=network["hidden_size"] // network["num_heads"],
+        num_attention_heads=network["num_heads"],
         guidance_embeds=True,
+        axes_dims_rope=tuple(network.get("axes_dim", (16, 56, 56))),  # BFL's RoPE axes
     )
-    convert = diffusers_flux_converter(NETWORK["hidden_size"])
+    convert = diffusers_flux_converter(network["hidden_size"])
     theirs.load_state_dict(convert(dict(ours.state_dict())), strict=True)
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def flux_inputs(device):
+def inputs(device, network=NETWORK):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -81,7 +85,7 @@ def flux_inputs(device):
     return [v.to(device) for v in (x, t, context, pooled, guidance, target)]
 
 
-def flux_forward(model, batch):
+def forward(model, batch):
     """(B, 16, H, W) velocity; diffusers' side packed and unpacked as FluxPipeline does."""
     import torch
     from diffusers import FluxPipeline
@@ -104,54 +108,11 @@ def flux_forward(model, batch):
     return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(x.shape)
 
 
-def flux_train_step(model, optimizer, batch) -> None:
-    import torch.nn.functional as F
-
-    F.mse_loss(flux_forward(model, batch), batch[-1]).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def flux_section(args, device) -> list[str]:
-    import torch
-
-    from ldm.optim import build_optimizer
-
-    rows = [
-        f"| Flux.1-dev-structure train step (batch {BATCH}, {LATENT}x{LATENT}x16, {TOKENS} text "
-        "tokens, width 768, 2 double + 4 single blocks) | dtype | img/s | vs diffusers |",
-        "|---|---|---|---|",
-    ]
-    ours, theirs = build_flux_models(device)
-    batch = flux_inputs(device)
-    with torch.no_grad():  # the same function: the comparison is of speed alone
-        out = flux_forward(ours, batch)
-        gap = (out - flux_forward(theirs, batch)).abs().max().item()
-    print(
-        f"Flux outputs, ours - diffusers: max |diff| {gap:.2e} (mean |out| {out.abs().mean():.2f})",
-        flush=True,
-    )
-    optimizers = {  # the same optimizer on both sides: fused AdamW (ldm.optim)
-        "diffusers": build_optimizer(theirs.parameters(), lr=1e-5),
-        "ours": build_optimizer(ours.parameters(), lr=1e-5),
-    }
-    steps = {
-        label: lambda m=model, o=optimizers[label]: flux_train_step(m, o, batch)
-        for label, model in (("diffusers", theirs), ("ours", ours))
-    }
-    results = alternated_median_seconds(steps, device, args.steps, args.warmup)
-    for label in ("diffusers", "ours"):
-        rows.append(
-            f"| {label} | fp32 | {BATCH / results[label]:.2f} | "
-            f"{results['diffusers'] / results[label]:.2f}x |"
-        )
-        print(rows[-1], flush=True)
-    return rows
+    return bench_backbone.section(sys.modules[__name__], args, device, NETWORK)
 
 
 if __name__ == "__main__":  # alone: benchmark.py's flux table (its flags apply: --help)
-    import sys
-
     from benchmark import main
 
     main(["--only", "flux", *sys.argv[1:]])

@@ -12,12 +12,18 @@ config through the same functions (`lun.trainer.build_model`, `build_data`,
                          optimizer.step(); scheduler.step(); optimizer.zero_grad(set_to_none=True)
 
 and `main.py` runs `-t` on the config with its defaults (progress bar, throughput, checkpoints,
-NaN guard, LR monitor, RNG state; the demo's EMA). The plain loop runs before and after main.py
-and its mean counts (a shared machine's load drifts). Printed: the median ms per optimizer step
-of each after the warm-up, and the overhead (main.py - plain), in wall time and in CPU time of
-the process (all its threads: on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
+NaN guard, LR monitor, RNG state; the demo's EMA). Two pieces of main.py's step are work a bare
+loop does not do at all: the NaN/inf check of the gradients (so a bad step is skipped) and the
+EMA fold. The plain loop therefore runs twice, bare and with the same two pieces done by hand
+(`same_work`), and the loop's own overhead is main.py minus the plain loop with the same work;
+the cost of the two pieces is printed on its own row (the EMA's share of the step is also what
+the EMA callback prints when training starts). The three runs alternate for `--rounds` rounds
+and each figure is the median over the rounds (a shared machine's load drifts). Printed: ms per
+optimizer step after the warm-up, in wall time and in CPU time of the process (all its threads:
+on a loaded, shared machine the CPU figures are the steadier). Host reads of tensor values
 (`.item()`, `bool()`, `float()`, `.tolist()`: the host-device syncs on an accelerator) are
-counted per step of main.py, and the steps that had one are listed: only logging steps should.
+counted per step of main.py, and the steps that had one are listed: only logging steps and
+epoch ends should.
 """
 
 import argparse
@@ -132,21 +138,41 @@ def main_py_loop(config: Path, dotlist: list[str], logdir: Path) -> StepClock:
     return clock
 
 
+def merged_config(config: Path, dotlist: list[str]) -> dict:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(dotlist))
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def ema_decay(cfg: dict) -> float | None:
+    """The decay of the config's EMA callback (None: the config has none)."""
+    ema = ((cfg.get("lightning") or {}).get("callbacks") or {}).get("ema")
+    if not ema and not cfg["model"].get("params", {}).get("use_ema"):
+        return None
+    return float(((ema or {}).get("params") or {}).get("decay", 0.9999))
+
+
 def plain_loop(
-    config: Path, dotlist: list[str], steps: int, device: str = "cpu"
+    config: Path, dotlist: list[str], steps: int, device: str = "cpu", same_work: bool = False
 ) -> tuple[list[float], list[float]]:
     """The same model, data and optimizer in a for loop on `device`; the wall and CPU time of
     every step's end (on a GPU the queue of launched work fills within a few steps, so the
-    median interval is the step's time without a synchronisation per step)."""
+    median interval is the step's time without a synchronisation per step).
+
+    `same_work`: also do, by hand, the two pieces of work main.py's defaults add to every step,
+    so that the difference is the loop's own cost: the NaN/inf check of the gradients handed to
+    the fused optimizer as `found_inf` (one fused pass over the gradients), and, when the config
+    has an EMA, its fold into fp32 shadows (one `_foreach_lerp_` with LitEma's warm-up)."""
+    import torch
     from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.pytorch import seed_everything
-    from omegaconf import OmegaConf
 
+    from lun.callbacks.nan_guard import nonfinite_flag
     from lun.trainer import build_data, build_model
 
     seed_everything(0, verbose=False)
-    cfg = OmegaConf.merge(OmegaConf.load(config), OmegaConf.from_dotlist(dotlist))
-    cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = merged_config(config, dotlist)
     model, data = build_model(cfg["model"]).to(device), build_data(cfg["data"])
     data.setup("fit")
     model.learning_rate = cfg["model"]["base_learning_rate"]
@@ -155,12 +181,24 @@ def plain_loop(
     scheduler = configured.get("lr_scheduler") if isinstance(configured, dict) else None
     scheduler = scheduler["scheduler"] if isinstance(scheduler, dict) else scheduler
     model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = ema_decay(cfg) if same_work else None
+    ema = None if decay is None else [p for p in model.ema_module.parameters() if p.requires_grad]
+    shadows = None if ema is None else [p.detach().float().clone() for p in ema]
     ends, cpu_ends = [], []
     while len(ends) < steps:
         for batch in data.train_dataloader():
             loss = model.diffusion_loss(move_data_to_device(batch, device))[0]
             loss.backward()
+            if same_work:
+                grads = [p.grad for p in params if p.grad is not None]
+                optimizer.found_inf = nonfinite_flag(grads)  # the NaN guard's one pass
             optimizer.step()
+            optimizer.__dict__.pop("found_inf", None)
+            if shadows is not None:
+                n = len(ends) + 1  # LitEma: min(decay, (1 + n) / (10 + n))
+                weight = 1.0 - min(decay, (1 + n) / (10 + n))
+                torch._foreach_lerp_(shadows, [p.detach() for p in ema], weight)
             if scheduler is not None:
                 scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -186,6 +224,8 @@ def make_data(folder: Path, n: int) -> Path:
 
 
 def loop_table(args, tmp: Path) -> list[str]:
+    """Rounds of (plain loop, plain loop + the same work, main.py), alternating: each figure is
+    the median over the rounds of the median step (a shared machine's load drifts)."""
     import torch
 
     torch.set_num_threads(args.threads)
@@ -193,22 +233,42 @@ def loop_table(args, tmp: Path) -> list[str]:
     steps = args.warmup + args.steps
     dotlist = overrides(data, steps, args.width, args.batch_size, args.log_every, args.device)
     config = Path(args.config)
-    before = [median_ms(e, args.warmup) for e in plain_loop(config, dotlist, steps, args.device)]
-    clock = main_py_loop(config, dotlist, tmp / "logs")
-    ours, ours_cpu = median_ms(clock.ends, args.warmup), median_ms(clock.cpu_ends, args.warmup)
-    after = [median_ms(e, args.warmup) for e in plain_loop(config, dotlist, steps, args.device)]
-    (plain_before, cpu_before), (plain_after, cpu_after) = before, after
-    plain, plain_cpu = (plain_before + plain_after) / 2, (cpu_before + cpu_after) / 2
-    synced = sorted(s for s in clock.reads if s > 1)
+    runs = {"plain": [], "same": [], "main": []}  # (wall, CPU) ms per step, one per round
+    reads = {}
+    for round_ in range(args.rounds):
+        for same_work in (False, True):
+            ends = plain_loop(config, dotlist, steps, args.device, same_work=same_work)
+            runs["same" if same_work else "plain"].append(
+                tuple(median_ms(e, args.warmup) for e in ends)
+            )
+        clock = main_py_loop(config, dotlist, tmp / f"logs{round_}")
+        runs["main"].append(
+            (median_ms(clock.ends, args.warmup), median_ms(clock.cpu_ends, args.warmup))
+        )
+        reads = clock.reads
+    wall, cpu = (
+        {name: statistics.median(r[k] for r in rounds) for name, rounds in runs.items()}
+        for k in (0, 1)
+    )
+    overheads = [m[1] - s[1] for m, s in zip(runs["main"], runs["same"], strict=True)]
+    synced = sorted(s for s in reads if s > 1)
+    has_ema = ema_decay(merged_config(config, dotlist)) is not None
+    work = "NaN/inf check" + (" and EMA fold" if has_ema else "")
     rows = [
         f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, {args.device}, "
-        f"{args.threads} thread) | wall ms/step | CPU ms/step |",
+        f"{args.threads} thread; median of {args.rounds} alternating rounds) "
+        "| wall ms/step | CPU ms/step |",
         "|---|---|---|",
-        f"| plain PyTorch loop (before / after) | {plain_before:.1f} / {plain_after:.1f} "
-        f"| {cpu_before:.1f} / {cpu_after:.1f} |",
-        f"| main.py, every default callback | {ours:.1f} | {ours_cpu:.1f} |",
-        f"| overhead of main.py per optimizer step | {ours - plain:+.1f} ({ours / plain:.2f}x) "
-        f"| {ours_cpu - plain_cpu:+.1f} ({ours_cpu / plain_cpu:.2f}x) |",
+        f"| plain PyTorch loop | {wall['plain']:.1f} | {cpu['plain']:.1f} |",
+        f"| plain loop + the same {work} as main.py's defaults "
+        f"| {wall['same']:.1f} | {cpu['same']:.1f} |",
+        f"| main.py, every default callback | {wall['main']:.1f} | {cpu['main']:.1f} |",
+        f"| {work} (both sides) | {wall['same'] - wall['plain']:+.1f} "
+        f"| {cpu['same'] - cpu['plain']:+.1f} |",
+        f"| overhead of the loop (main.py - plain loop + the same work) "
+        f"| {wall['main'] - wall['same']:+.1f} ({wall['main'] / wall['same']:.2f}x) "
+        f"| {cpu['main'] - cpu['same']:+.1f} ({cpu['main'] / cpu['same']:.2f}x); "
+        f"rounds {', '.join(f'{o:+.1f}' for o in overheads)} |",
         f"| steps of main.py with host reads (after step 1; logging every {args.log_every}) "
         f"| {synced} | |",
     ]
@@ -226,6 +286,12 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=32, help="UNet model_channels")
     parser.add_argument("--batch-size", type=int, default=32, help="images per step")
     parser.add_argument("--images", type=int, default=256, help="generated training images")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternating rounds of the three (more on a busy machine)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--log-every", type=int, default=25, help="main.py's log_every_n_steps")
     parser.add_argument(

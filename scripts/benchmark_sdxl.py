@@ -15,9 +15,11 @@ AdamW, fp32; they take turns step by step.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-from benchmark import alternated_median_seconds
+import bench_backbone
+from bench_backbone import randomise
 from omegaconf import OmegaConf
 
 # Stability-AI's inference config, shipped unchanged
@@ -26,18 +28,18 @@ SGM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sdxl" / "sd_xl_b
 # each; at width 128, 248 M: 8 GB together) in a few GB of a CPU machine.
 NETWORK = {"model_channels": 64, "transformer_depth": [1, 2, 4]}
 BATCH, LATENT, TOKENS, CONTEXT, POOLED, SIZE_CHANNELS = 2, 32, 77, 2048, 1280, 256
+TITLE = f"SDXL-structure UNet train step (batch {BATCH}, {LATENT}x{LATENT}, ch 64, depth 1/2/4)"
 
 
-def sdxl_config() -> dict:
+def sdxl_config(network: dict = NETWORK) -> dict:
     config = OmegaConf.load(SGM_CONFIG)
-    config.model.params.network_config.params.update(NETWORK)
+    config.model.params.network_config.params.update(network)
     config.model.params.network_config.params.use_checkpoint = False
     return OmegaConf.to_container(config, resolve=True)
 
 
-def build_sdxl_unets(device):
-    """Our SDXL UNet and diffusers' text_time UNet2DConditionModel with the same weights (moved
-    by seeded noise: the zero-initialised output layers would leave the first layers idle)."""
+def build_models(device, network=NETWORK):
+    """Our SDXL UNet and diffusers' text_time UNet2DConditionModel with the same weights."""
     import torch
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import (
@@ -48,12 +50,10 @@ def build_sdxl_unets(device):
     from ldm.layout import original
     from ldm.util import instantiate_from_config
 
-    config = sdxl_config()
+    config = sdxl_config(network)
     torch.manual_seed(0)
     ours = instantiate_from_config(config["model"]["params"]["network_config"])
-    with torch.no_grad():
-        for param in ours.parameters():
-            param.add_(0.02 * torch.randn(param.shape))
+    randomise(ours)
     state = {original.unet_key(k): v for k, v in ours.state_dict().items()}
     diffusers_config = create_unet_diffusers_config_from_ldm(config, state)
     assert diffusers_config["addition_embed_type"] == "text_time"  # SDXL's, from context 2048
@@ -62,7 +62,7 @@ def build_sdxl_unets(device):
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def sdxl_inputs(device):
+def inputs(device, network=NETWORK):
     import torch
 
     g = torch.Generator().manual_seed(0)
@@ -76,7 +76,7 @@ def sdxl_inputs(device):
     return [v.to(device) for v in (x, t, context, pooled, time_ids, target)]
 
 
-def sdxl_forward(model, batch):
+def forward(model, batch):
     import torch
 
     from ldm.unet import timestep_embedding
@@ -90,50 +90,11 @@ def sdxl_forward(model, batch):
     return model(x, t, {"crossattn": context, "vector": torch.cat([pooled, sizes], dim=1)})
 
 
-def sdxl_train_step(model, optimizer, batch) -> None:
-    import torch.nn.functional as F
-
-    F.mse_loss(sdxl_forward(model, batch), batch[-1]).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def sdxl_section(args, device) -> list[str]:
-    import torch
-
-    from ldm.optim import build_optimizer
-
-    rows = [
-        f"| SDXL-structure UNet train step (batch {BATCH}, {LATENT}x{LATENT}, ch 64, depth 1/2/4) "
-        "| dtype | img/s | vs diffusers |",
-        "|---|---|---|---|",
-    ]
-    ours, theirs = build_sdxl_unets(device)
-    batch = sdxl_inputs(device)
-    with torch.no_grad():  # the same function: the comparison is of speed alone
-        gap = (sdxl_forward(ours, batch) - sdxl_forward(theirs, batch)).abs().max().item()
-    print(f"SDXL UNet outputs, ours - diffusers: max |diff| {gap:.2e}", flush=True)
-    optimizers = {  # the same optimizer on both sides: fused AdamW (ldm.optim)
-        "diffusers": build_optimizer(theirs.parameters(), lr=1e-5),
-        "ours": build_optimizer(ours.parameters(), lr=1e-5),
-    }
-    steps = {
-        label: lambda m=model, o=optimizers[label]: sdxl_train_step(m, o, batch)
-        for label, model in (("diffusers", theirs), ("ours", ours))
-    }
-    results = alternated_median_seconds(steps, device, args.steps, args.warmup)
-    for label in ("diffusers", "ours"):
-        rows.append(
-            f"| {label} | fp32 | {BATCH / results[label]:.2f} | "
-            f"{results['diffusers'] / results[label]:.2f}x |"
-        )
-        print(rows[-1], flush=True)
-    return rows
+    return bench_backbone.section(sys.modules[__name__], args, device, NETWORK)
 
 
 if __name__ == "__main__":  # alone: benchmark.py's sdxl table (its flags apply: --help)
-    import sys
-
     from benchmark import main
 
     main(["--only", "sdxl", *sys.argv[1:]])

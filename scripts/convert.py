@@ -2,8 +2,10 @@
 
     # original-layout .safetensors (ComfyUI, AUTOMATIC1111, diffusers from_single_file)
     python scripts/convert.py logs/<run>/checkpoints/last.ckpt model.safetensors --ema --half
-    # a diffusers pipeline folder (needs `pip install diffusers`): SD 1.x / 2.x, or SDXL
+    # a diffusers pipeline folder (needs `pip install diffusers`): SD 1.x / 2.x, SDXL, or SD 3 / 3.5
     python scripts/convert.py logs/<run>/checkpoints/last.ckpt --to-diffusers out/pipeline
+    # a diffusers folder back to one original-layout file (SD 1.x/2.x/XL: with --config)
+    python scripts/convert.py out/pipeline model.safetensors
 
 The checkpoint may be a file or the folder that DeepSpeed (any ZeRO stage) or sharded FSDP write:
 its shards are merged into one float32 state dict in CPU memory first, so the output is always
@@ -150,6 +152,16 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
         raise ImportError("--to-diffusers needs diffusers: pip install diffusers") from None
     from transformers import CLIPTextModel
 
+    found = family.model_family(state)
+    if found == family.SD3:
+        from convert_sd3 import export_sd3
+
+        return export_sd3(state, original, out_dir)
+    if found not in (family.SD1, family.SD2, family.SDXL):
+        raise ValueError(
+            f"--to-diffusers writes SD 1.x, 2.x, SDXL and SD 3 pipelines; this is {family.a(found)} "
+            "model: write the original layout instead (convert.py CKPT OUT.safetensors)"
+        )
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
     encoder = model.conditioner
@@ -450,13 +462,19 @@ def main(argv=None) -> None:
     from ldm.layout.diffusers import is_diffusers_folder
     from ldm.layout.dit import file_state_keys
     from ldm.layout.ema import without_ema
+    from ldm.layout.family import SD3, diffusers_family
+    from ldm.layout.family import model_family as family_of
     from ldm.safe_load import state_dict_of
     from lun.config import merge_configs, to_container
     from lun.generation import find_config, one_line_errors, writing
     from lun.strategies import load_training_checkpoint
 
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
-        if is_diffusers_folder(args.ckpt):  # in: a diffusers folder, out: the original layout
+        if diffusers_family(args.ckpt) == SD3:  # needs no config: its names say it all
+            from convert_sd3 import folder_state
+
+            contents = {"state_dict": folder_state(Path(args.ckpt), args.unsafe_load)}
+        elif is_diffusers_folder(args.ckpt):  # in: a diffusers folder, out: the original layout
             if not args.config:
                 raise ValueError(f"{args.ckpt}: a diffusers folder needs --config")
             state = diffusers_folder_state(Path(args.ckpt), args.config, args.unsafe_load)
@@ -470,7 +488,10 @@ def main(argv=None) -> None:
         if args.to_diffusers:  # checked before anything is written
             configs = [args.config] if args.config else find_config(Path(args.ckpt))
             original = to_container(merge_configs(configs))
-            diffusers_prediction_type(original["model"]["params"].get("parameterization", "eps"))
+            if family_of(original["model"]) != SD3:  # SD3's scheduler is rectified flow's
+                diffusers_prediction_type(
+                    original["model"]["params"].get("parameterization", "eps")
+                )
         if args.out:
             save_checkpoint_file(state, Path(args.out), dtype, contents, args.prune or args.ema)
             print(f"wrote {args.out} ({len(state)} tensors)")

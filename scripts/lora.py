@@ -52,10 +52,9 @@ def export(args) -> None:
     dtype = torch.float16 if args.half else None
     if args.format == "kohya":
         state = lora.kohya_state_dict(model, dtype)
-        version = "sd_v2" if family.model_family(model) == family.SD2 else "sd_v1"
-        version += "_v" if model.parameterization == "v" else ""
-        version = "sdxl_base_v1-0" if family.is_sdxl(model) else version  # kohya's SDXL version
-        metadata = kohya.kohya_metadata(model.lora_settings, version)
+        keys = list(model.state_dict())
+        base = kohya.base_model_metadata(family.model_family(keys), keys, model.parameterization)
+        metadata = kohya.kohya_metadata(model.lora_settings, base["ss_base_model_version"]) | base
     else:
         state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}
         metadata = {"format": "pt"}

@@ -14,7 +14,7 @@ sys.path[:0] = [
     str(ROOT / "tests"),
 ]  # scripts and test helpers import by name
 
-from run_helpers import run_main  # noqa: E402
+from run_helpers import run_main_here  # noqa: E402
 
 torch.set_num_threads(2)
 # Dataset index caches of test runs (and their launcher subprocesses) stay out of ~/.cache.
@@ -50,7 +50,9 @@ def tiny_config() -> Path:
 def trained_run(tmp_path_factory, tiny_config, shapes_dir) -> Path:
     """A run folder from a 2-step training of the tiny config, with EMA weights in its checkpoint."""
     logs = tmp_path_factory.mktemp("logs")
-    result = run_main(
+    # main() in this process: the run is the same, without a second start-up of torch and
+    # Lightning (tests/e2e/test_main.py launches the command line itself).
+    result = run_main_here(
         [
             "--base",
             str(tiny_config),

@@ -233,3 +233,62 @@ def kohya_metadata(settings, base_version: str) -> dict[str, str]:
     if network_args:
         meta["ss_network_args"] = json.dumps(network_args)
     return meta
+
+
+# --- the base model a LoRA file was trained on, as kohya-ss/sd-scripts names it ------------------
+# ss_base_model_version: train_network.py (SD 1/2: model_util.get_model_version_str_for_sd1_sd2),
+# sdxl_train_network.py ("sdxl_base_v1-0"), sd3_train_network.py (the MMDiT's model_type, read from
+# the weights by sd3_utils.analyze_state_dict_state: "medium", "5-medium" or "5-large") and
+# flux_train_network.py (flux_utils.MODEL_VERSION_FLUX_V1, "flux1"). The modelspec.* keys: kohya's
+# library/sai_model_spec.py (ModelSpec 1.0.1, determine_architecture / determine_implementation /
+# determine_resolution without a resolution given).
+MODELSPEC_VERSION = "1.0.1"
+IMPL_DIFFUSERS = "diffusers"
+IMPL_STABILITY_AI = "https://github.com/Stability-AI/generative-models"
+IMPL_FLUX = "https://github.com/black-forest-labs/flux"
+
+
+def sd3_model_type(keys) -> str:
+    """kohya's SD3 model_type: QK RMSNorm without attn2 is 3.5 Large, with it 3.5 Medium
+    (MMDiT-X), none SD 3 Medium."""
+    qk_norm = any(k.endswith("joint_blocks.0.context_block.attn.ln_k.weight") for k in keys)
+    attn2 = any(re.search(r"\.\d+\.x_block\.attn2\.ln_k\.weight$", k) for k in keys)
+    return ("5-medium" if attn2 else "5-large") if qk_norm else "medium"
+
+
+def base_model_metadata(family: str | None, keys, parameterization: str = "eps") -> dict[str, str]:
+    """`ss_base_model_version` and the required modelspec keys of a LoRA file, for a model of
+    `family` (ldm.layout.family's names) whose state dict has `keys`."""
+    from ldm.layout import family as families
+    from ldm.layout import flux
+
+    v = parameterization == "v"
+    resolution = "1024x1024"
+    implementation = IMPL_DIFFUSERS
+    if family == families.SD3:
+        model_type = sd3_model_type(keys)
+        version, architecture = model_type, f"stable-diffusion-3-{model_type}"
+    elif family == families.FLUX:
+        version, architecture = "flux1", f"flux-1-{flux.variant(dict.fromkeys(keys))}"
+        implementation = IMPL_FLUX
+    elif family == families.SDXL:
+        version, architecture = "sdxl_base_v1-0", "stable-diffusion-xl-v1-base"
+        implementation = IMPL_STABILITY_AI  # kohya: "lora and sdxl"
+    elif family == families.SD2:
+        version = "sd_v2_v" if v else "sd_v2"
+        architecture = "stable-diffusion-v2-768-v" if v else "stable-diffusion-v2-512"
+        resolution = "768x768" if v else "512x512"
+    else:
+        version, architecture, resolution = (
+            "sd_v1_v" if v else "sd_v1",
+            "stable-diffusion-v1",
+            "512x512",
+        )
+    return {
+        "ss_base_model_version": version,
+        "modelspec.sai_model_spec": MODELSPEC_VERSION,
+        "modelspec.architecture": architecture + "/lora",
+        "modelspec.implementation": implementation,
+        "modelspec.title": "LoRA",
+        "modelspec.resolution": resolution,
+    }

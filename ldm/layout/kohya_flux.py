@@ -168,3 +168,115 @@ def peft_adapters(backbone: nn.Module, adapter: str = "default") -> dict:
             up = layer.lora_B[adapter].weight.detach()
             found[bare(name)] = (down, up, float(layer.lora_alpha[adapter]))
     return found
+
+
+# --- diffusers-format files back to kohya names (what `read_kohya` takes) -----------------------
+
+LORA_ADAPTER_METADATA = "lora_adapter_metadata"  # diffusers' safetensors key (lora_base.py)
+_DIFFUSERS_KEY = re.compile(
+    r"^(?:transformer\.)?(?P<part>(?P<blocks>\w+)\.(?P<n>\d+)\.(?P<module>.+))"
+    r"\.(?P<kind>lora_A\.weight|lora_B\.weight|alpha)$"
+)
+MLP_RATIO = 4  # Flux.1's MLP width over the model width: linear1's rows after q, k and v
+
+
+def flux_part_rows(module: str, in_features: int) -> list[int]:
+    """The rows of each diffusers part of a fused Flux module: q, k, v (and linear1's MLP)."""
+    if module.endswith("linear1"):
+        return [in_features] * 3 + [MLP_RATIO * in_features]
+    return [in_features] * 3
+
+
+def kohya_from_diffusers(
+    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """A diffusers-format Flux LoRA (`FluxPipeline.save_lora_weights`:
+    `transformer.transformer_blocks.0.attn.to_q.lora_A.weight`, its safetensors `metadata`
+    optional) -> the kohya state dict `read_kohya` takes
+    (`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`)."""
+    rules = {
+        "transformer_blocks": ("double_blocks", DOUBLE_BLOCK),
+        "single_transformer_blocks": ("single_blocks", SINGLE_BLOCK),
+    }
+    return fuse_diffusers(state, metadata, rules, flux_part_rows, "Flux")
+
+
+def fuse_diffusers(state, metadata, rules, part_rows, model: str) -> dict[str, torch.Tensor]:
+    """diffusers' LoRA parts -> one kohya adapter per our (fused) module.
+
+    `rules`: diffusers block list -> (our block list, {our module: its diffusers parts in row
+    order}); `part_rows(module, in_features)`: the rows of each part of a fused module. A part's
+    scale (its `.alpha` / rank, else peft's alpha from the file's diffusers metadata, else 1:
+    diffusers' rule) goes into its B. Parts sharing one A (our own export) keep it: down = A, up
+    = the Bs stacked. Parts with their own A (a LoRA trained in diffusers) become one adapter of
+    the summed rank: down = the As stacked, up = the Bs block-diagonal, so each part's update
+    lands on its own rows; a part the file lacks gets zero rows. alpha = rank: the scale is in up.
+    """
+    where = {}  # diffusers (block list, part) -> (our block list, our module, row index, parts)
+    for theirs, (ours, modules) in rules.items():
+        for module, parts in modules.items():
+            for index, part in enumerate(parts):
+                where[theirs, part] = (ours, module, index, len(parts))
+    peft = _peft_config(metadata)
+    found: dict[tuple[str, int], dict[int, dict]] = {}
+    for key, value in state.items():
+        match = _DIFFUSERS_KEY.match(key)
+        if not match or (match["blocks"], match["module"]) not in where:
+            raise ValueError(
+                f"LoRA file: {key} names no Linear layer of this {model} model's blocks (a "
+                "diffusers-format LoRA for another model family?)"
+            )
+        ours, module, index, count = where[match["blocks"], match["module"]]
+        parts = found.setdefault((f"{ours}.{match['n']}.{module}", count), {})
+        parts.setdefault(index, {"name": match["part"]})[match["kind"]] = value
+    out = {}
+    for (module, count), parts in found.items():
+        scaled = {}  # row index -> (A, B * scale)
+        for index, part in sorted(parts.items()):
+            down, up = part["lora_A.weight"].float(), part["lora_B.weight"].float()
+            scaled[index] = (down, up * _scale(part, down.shape[0], peft))
+        downs = [down for down, _ in scaled.values()]
+        if len(scaled) == count and all(torch.equal(d, downs[0]) for d in downs):
+            down, up = downs[0], torch.cat([up for _, up in scaled.values()])
+        else:
+            rows = part_rows(module, downs[0].shape[1]) if count > 1 else [scaled[0][1].shape[0]]
+            down = torch.cat(downs)
+            up = torch.zeros(sum(rows), down.shape[0])
+            column = 0
+            for index, (_, part_up) in scaled.items():
+                top, rank = sum(rows[:index]), part_up.shape[1]
+                up[top : top + rows[index], column : column + rank] = part_up
+                column += rank
+        name = kohya_name(module)
+        out[f"{name}.lora_down.weight"] = down.contiguous()
+        out[f"{name}.lora_up.weight"] = up.contiguous()
+        out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))
+    return out
+
+
+def _peft_config(metadata: Mapping[str, str] | None) -> dict:
+    """The transformer's LoraConfig fields diffusers stores in a file's metadata (or {})."""
+    import json
+
+    raw = (metadata or {}).get(LORA_ADAPTER_METADATA)
+    if not raw:
+        return {}
+    packed = json.loads(raw)
+    return {
+        k.removeprefix("transformer."): v for k, v in packed.items() if k.startswith("transformer.")
+    }
+
+
+def _scale(part: Mapping, rank: int, peft: Mapping) -> float:
+    """alpha / rank of one diffusers part: its own `.alpha` tensor, else peft's rule (the
+    `alpha_pattern` entry matching its name, else `lora_alpha`; rsLoRA divides by sqrt(rank)),
+    else 1 (diffusers' default: alpha = rank)."""
+    if "alpha" in part:
+        return float(part["alpha"]) / rank
+    if not peft:
+        return 1.0
+    alpha = peft.get("lora_alpha", rank)
+    for pattern, value in (peft.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", part["name"]):
+            alpha = value
+    return alpha / (rank**0.5 if peft.get("use_rslora") else rank)

@@ -23,13 +23,21 @@ from ldm.layout.kohya_flux import (
     KOHYA_PREFIX,
     bare,
     diffusers_state,
+    fuse_diffusers,
     kohya_modules,
     peft_adapters,
     read_kohya,
     to_kohya,
 )
 
-__all__ = ["from_kohya", "peft_adapters", "to_diffusers", "to_kohya", "diffusers_modules"]
+__all__ = [
+    "from_kohya",
+    "peft_adapters",
+    "to_diffusers",
+    "to_kohya",
+    "diffusers_modules",
+    "kohya_from_diffusers",
+]
 
 # (stream, module) -> diffusers module(s) under `transformer_blocks.N.` (diffusers'
 # convert_sd3_transformer_checkpoint_to_diffusers); several = the fused rows in order.
@@ -89,3 +97,19 @@ def to_diffusers(adapters: Adapters) -> dict[str, torch.Tensor]:
 
 def _equal_rows(module: str, up: torch.Tensor, in_features: int) -> tuple[torch.Tensor, ...]:
     return up.chunk(len(diffusers_modules(module)))
+
+
+def kohya_from_diffusers(
+    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """A diffusers-format SD3 LoRA (`StableDiffusion3Pipeline.save_lora_weights`:
+    `transformer.transformer_blocks.0.attn.to_q.lora_A.weight`, its safetensors `metadata`
+    optional) -> the kohya state dict `read_kohya` takes
+    (`lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight`); q, k and v fused again."""
+    modules = {f"{stream}.{module}": parts for (stream, module), parts in JOINT_BLOCK.items()}
+    rules = {"transformer_blocks": ("joint_blocks", modules)}
+    return fuse_diffusers(state, metadata, rules, _equal_part_rows, "SD3")
+
+
+def _equal_part_rows(module: str, in_features: int) -> list[int]:
+    return [in_features] * 3  # q, k, v: the model width each

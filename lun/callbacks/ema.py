@@ -87,8 +87,9 @@ class EMA(Callback):
             the horizon in steps does not depend on N.
         update_every: fold the weights in every this many optimizer steps (not micro-batches:
             gradient accumulation does not change it). Larger values cost less CPU time.
-            "auto": time the first update (copy + fold) and the next few steps, then pick the
-            smallest N whose updates cost at most `budget` of the step time; printed in one line.
+            "auto": pick the smallest N whose updates cost at most `budget` of the step time.
+            Either way the first update (copy + fold, inline) and the next few steps are timed
+            and one line says the choice and its cost (and, over the budget, the N that fits).
         budget: the share of the step time `update_every="auto"` allows the EMA (0.03 = 3 %).
         warmup: how the decay starts, as a function of the update count n (steps):
             "litema": min(decay, (1 + n) / (10 + n)) - the original LitEma (`use_num_upates`);
@@ -129,8 +130,10 @@ class EMA(Callback):
             raise ValueError(f"EMA budget must be in (0, 1), got {budget}")
         self.decay, self.update_every, self.budget = decay, 1 if self.auto else update_every, budget
         self._decided = not self.auto
-        self._update_seconds = 0.0  # the timed first update (auto)
+        self._reported = False  # the line with the choice and its cost (each run prints one)
+        self._update_seconds = 0.0  # the timed first update
         self._probe_start: tuple[int, float] | None = None  # (step, time) after it
+        self._probe_updates_s = 0.0  # time spent in updates while the steps after it are timed
         self.warmup, self.warmup_power = warmup, warmup_power
         self.validate_with_ema = validate_with_ema
         self.async_update = async_update
@@ -149,6 +152,7 @@ class EMA(Callback):
         self._params_of = None  # the module they belong to
         self._where = "host RAM"
         self._lists: tuple[list, list, list] | None = None  # (params, staging, shadows), in order
+        self._fp32 = True  # are the weights (and so the staging buffers) all fp32?
 
     # --- the average -------------------------------------------------------------------------
     def decay_at(self, n: int) -> float:
@@ -200,9 +204,9 @@ class EMA(Callback):
 
     @staticmethod
     def _check_strategy(trainer) -> None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
+        from lun.strategies import strategy_kind
 
-        if isinstance(trainer.strategy, ModelParallelStrategy):
+        if strategy_kind(trainer.strategy) == "model_parallel":
             raise ValueError(
                 "EMA needs the full weights, and ModelParallelStrategy (DTensor) has no gather here. "
                 "Use DDP, DeepSpeed or FSDP with EMA, or remove the EMA callback."
@@ -216,7 +220,7 @@ class EMA(Callback):
         self.num_updates += steps
         self._last_update_step = step
         self._finish()  # the staging buffers are free again
-        timed = not self._decided and self._probe_start is None
+        timed = not self._reported and self._probe_start is None
         start = time.perf_counter()
         with self._full_weights(pl_module) as params:
             if next(iter(params.values())).device.type == "cpu":
@@ -227,6 +231,8 @@ class EMA(Callback):
                 if timed:
                     self._update_seconds = time.perf_counter() - start
                     self._probe_start = (step, time.perf_counter())
+                elif self._probe_start is not None:
+                    self._probe_updates_s += time.perf_counter() - start
                 return
             self._stage(params)
             if self._copy_done is not None and shards_weights(pl_module.trainer.strategy):
@@ -240,6 +246,8 @@ class EMA(Callback):
             self._pending = self._executor.submit(self._fold_in, 1.0 - keep, self._copy_done)
         else:
             self._fold_in(1.0 - keep, self._copy_done)
+        if self._probe_start is not None and not timed:  # not the step's own time
+            self._probe_updates_s += time.perf_counter() - start
 
     def _stage(self, params: dict[str, torch.Tensor]) -> None:
         """Copy the accelerator's weights into the CPU staging buffers, asynchronously.
@@ -266,7 +274,7 @@ class EMA(Callback):
             copy_done.synchronize()
         _, staging, shadows = self._ordered(None)
         sources = staging if sources is None else sources
-        if all(s.dtype == torch.float32 for s in sources):
+        if self._fp32:  # the staging buffers have the weights' dtypes
             torch._foreach_lerp_(shadows, sources, weight)  # one call for all tensors
         else:
             torch._foreach_lerp_(shadows, [s.float() for s in sources], weight)
@@ -278,6 +286,7 @@ class EMA(Callback):
             names = list(self.shadows)
             lists = ([params[n].detach() for n in names], [self._staging[n] for n in names])
             self._lists = (*lists, [self.shadows[n] for n in names])
+            self._fp32 = all(w.dtype == torch.float32 for w in lists[0])  # checked once
         return self._lists
 
     def _finish(self) -> None:
@@ -423,31 +432,41 @@ class EMA(Callback):
             self._apply_loaded()
         if self._last_update_step is None:
             self._last_update_step = trainer.global_step
+        self._reported, self._probe_start, self._probe_updates_s = False, None, 0.0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # global_step counts optimizer steps, so accumulated micro-batches do not update.
         step = trainer.global_step
-        if not self._decided:
-            if self._probe_start is None:
-                if step > self._last_update_step:
-                    self._update(pl_module, step)  # timed
-            elif step - self._probe_start[0] >= PROBE_STEPS:
+        if not self._reported and self._probe_start is not None:
+            if step - self._probe_start[0] >= PROBE_STEPS:
                 self._decide(step)
+        if not self._decided:  # "auto" while it times: no update until N is chosen
+            if self._probe_start is None and step > self._last_update_step:
+                self._update(pl_module, step)  # timed
             return
         if step - self._last_update_step >= self.update_every:
             self._update(pl_module, step)
 
     def _decide(self, step: int) -> None:
-        """Choose `update_every` from the timed update and the steps that followed it."""
+        """Print the plan and its cost (choosing `update_every` first for "auto") from the timed
+        update and the steps that followed it (the time of their own updates left out)."""
         first, started = self._probe_start
-        step_s = (time.perf_counter() - started) / (step - first)
-        self.update_every = choose_update_every(self._update_seconds, step_s, self.budget)
-        self._decided = True
-        share = self._update_seconds / (self.update_every * step_s)
+        step_s = (time.perf_counter() - started - self._probe_updates_s) / (step - first)
+        fitting = choose_update_every(self._update_seconds, step_s, self.budget)
+        if not self._decided:
+            self.update_every, self._decided = fitting, True
+        self._reported = True
+        share = self._update_seconds / (self.update_every * max(step_s, 1e-12))
+        advice = ""
+        if share > self.budget:
+            advice = (
+                f"; over the budget: update_every={fitting} (or 'auto') would fit "
+                "(lightning.callbacks.ema.params.update_every)"
+            )
         rank_zero_info(
             f"EMA: shadows in {self._where}, updated every {self.update_every} optimizer "
             f"step(s): copy+fold {1e3 * self._update_seconds:.1f} ms, step {1e3 * step_s:.1f} ms, "
-            f"{100 * share:.1f} % of the step (budget {100 * self.budget:.0f} %)"
+            f"{100 * share:.1f} % of the step (budget {100 * self.budget:.0f} %){advice}"
         )
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:

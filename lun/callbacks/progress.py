@@ -97,7 +97,10 @@ class SmoothedProgressBar(ProgressBar):
 
     Args:
         log_every_n_steps: in non-interactive runs, one line every this many optimizer steps.
-        refresh_every_n_steps: in a terminal, redraw the line every this many optimizer steps.
+        refresh_every_n_steps: in a terminal, redraw the line every this many optimizer steps,
+        refresh_seconds: but not more often than this: a redraw reads the smoothed loss on the
+            host, which on an accelerator waits for the device (a sync per step would stop the
+            CPU from running ahead).
         smoothing_window: the loss and speed are averaged over about this many recent steps.
         interactive: force terminal (True) or log (False) output; None = terminal when stderr
             is a TTY.
@@ -109,10 +112,12 @@ class SmoothedProgressBar(ProgressBar):
         refresh_every_n_steps: int = 1,
         smoothing_window: int = 50,
         interactive: bool | None = None,
+        refresh_seconds: float = 0.5,
     ):
         super().__init__()
         self.log_every_n_steps = log_every_n_steps
         self.refresh_every_n_steps = refresh_every_n_steps
+        self.refresh_seconds = refresh_seconds
         self.smoothing_window = smoothing_window
         self.interactive = interactive
         self._enabled = True
@@ -126,6 +131,7 @@ class SmoothedProgressBar(ProgressBar):
         self._images_per_step = 0
         self.images_per_step = 0.0
         self._shown_step = None
+        self._shown_at = -math.inf  # perf_counter of the last line
         self._line_open = False
 
     # --- Lightning's ProgressBar interface ---------------------------------------------------
@@ -171,7 +177,8 @@ class SmoothedProgressBar(ProgressBar):
         self._last_step_time, self._last_step, self._images_per_step = now, step, 0
         every = self.refresh_every_n_steps if self.interactive else self.log_every_n_steps
         if step % max(every, 1) == 0:
-            self._show(trainer, pl_module)
+            if not self.interactive or now - self._shown_at >= self.refresh_seconds:
+                self._show(trainer, pl_module)
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._end_line()
@@ -197,8 +204,9 @@ class SmoothedProgressBar(ProgressBar):
             f"step {step}/{total if math.isfinite(total) else '?'}",
             f"epoch {trainer.current_epoch}",
         ]
-        if self.loss.value is not None:
-            parts.append(f"loss {self.loss.value:.4f}")
+        loss = self.loss.value  # one host read
+        if loss is not None:
+            parts.append(f"loss {loss:.4f}")
         seconds = self.step_seconds.value
         throughput = self._throughput_figures(trainer)
         if seconds:
@@ -235,7 +243,7 @@ class SmoothedProgressBar(ProgressBar):
     def _show(self, trainer, pl_module) -> None:
         if not self._enabled:
             return
-        self._shown_step = trainer.global_step
+        self._shown_step, self._shown_at = trainer.global_step, time.perf_counter()
         line = self.describe(trainer, pl_module)
         if self.interactive:
             sys.stderr.write("\r" + line + "\x1b[K")  # \x1b[K clears the rest of a longer old line

@@ -39,14 +39,23 @@ class SignalCheckpoint(Callback):
       `dirpath/last.ckpt` at the end of the current batch and keep training. Handled on every rank
       and agreed on through the strategy, so a signal seen by one rank cannot deadlock DDP. One
       that came during start-up (held by `lun.run.hold_save_signal`) saves after the first step.
+      With several processes agreeing is a collective and a host read (a device sync), so they
+      agree every `agree_every` optimizer steps only: the save comes at the next such step.
     - A second Ctrl-C during that shutdown exits at once.
 
     Args:
         dirpath: folder of `last.ckpt` and `on_exception.ckpt` (the run's `checkpoints/`).
+        agree_every: with several processes, agree on a SIGUSR1 every this many optimizer steps;
+            None = the trainer's `log_every_n_steps` (steps that sync anyway). Lower it when the
+            signal's grace time is shorter than that many steps.
     """
 
-    def __init__(self, dirpath: str):
+    def __init__(self, dirpath: str, agree_every: int | None = None):
+        if agree_every is not None and agree_every < 1:
+            raise ValueError(f"SignalCheckpoint agree_every must be >= 1, got {agree_every}")
         self.dirpath = Path(dirpath)
+        self.agree_every = agree_every
+        self._agreed_at: int | None = None  # the optimizer step of the last agreement
         self._save_requested = False
         self._start_step: int | None = None  # the step this fit started from
 
@@ -65,7 +74,15 @@ class SignalCheckpoint(Callback):
         self._start_step = trainer.global_step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if not trainer.strategy.reduce_boolean_decision(self._save_requested, all=False):
+        if trainer.world_size == 1:
+            requested = self._save_requested  # nothing to agree on: no tensor, no sync
+        else:
+            step, every = trainer.global_step, self.agree_every or trainer.log_every_n_steps
+            if step % max(every, 1) or step == self._agreed_at:
+                return
+            self._agreed_at = step
+            requested = trainer.strategy.reduce_boolean_decision(self._save_requested, all=False)
+        if not requested:
             return
         self._save_requested = False
         path = self.dirpath / "last.ckpt"

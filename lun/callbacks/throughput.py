@@ -386,11 +386,10 @@ class Throughput(Callback):
     def _figures(self, trainer, pl_module, tally: Tally, warmup: bool) -> Figures | None:
         """The figures of every rank's `tally` (a collective: all ranks call it at one step)."""
         self.run_peak_memory = max(self.run_peak_memory, peak_memory(pl_module.device))
-        local = torch.tensor(
-            [*tally.values(), float(self.run_peak_memory)], device=pl_module.device
-        )
-        ranks = trainer.strategy.all_gather(local) if trainer.world_size > 1 else local[None]
-        ranks = ranks.double().cpu().tolist()
+        ranks = [[*tally.values(), float(self.run_peak_memory)]]  # host numbers: no sync
+        if trainer.world_size > 1:  # one collective, then one read
+            local = torch.tensor(ranks[0], device=pl_module.device)
+            ranks = trainer.strategy.all_gather(local).double().cpu().tolist()
         seconds = [wait + busy + other for _, _, wait, busy, other, _ in ranks]
         if min(seconds) <= 0:
             return None  # a rank timed nothing (all its micro-batches were counted)

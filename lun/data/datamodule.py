@@ -160,9 +160,9 @@ class DataModule(L.LightningDataModule):
     batch_size: images per batch on each device.
     num_workers: DataLoader worker processes per device.
     persistent_workers: keep workers alive between epochs; default true when num_workers > 0.
-    pin_memory: page-locked batches for faster, asynchronous host-to-GPU copies; default (null)
-        true when the trainer runs on CUDA (where pinning is what lets the copy overlap the
-        step), false elsewhere.
+    pin_memory: page-locked batches for faster, asynchronous host-to-device copies; default
+        (null) true when the trainer runs on an accelerator (CUDA, ROCm, XPU: pinning is what
+        lets the copy overlap the step), false on the CPU and on MPS (shared memory).
     seed: seed of the data order; default the seed given to seed_everything, else 0.
     cache: a folder written by scripts/cache_latents.py: training then reads the training set's
         VAE latents (and text-encoder outputs) from it instead of its images
@@ -238,7 +238,10 @@ class DataModule(L.LightningDataModule):
             settings["persistent_workers"] and settings["num_workers"] > 0
         )
         if settings["pin_memory"] is None:
-            settings["pin_memory"] = self._device_type() == "cuda"
+            # Page-locked batches on an accelerator: its host -> device copy can then run
+            # asynchronously, beside the step. Not on the CPU (nothing to copy) nor on Apple's
+            # MPS (memory shared with the host; torch cannot pin for it).
+            settings["pin_memory"] = self._device_type() not in (None, "cpu", "mps")
         return settings
 
     def _device_type(self) -> str | None:

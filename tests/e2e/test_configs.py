@@ -7,7 +7,8 @@ The list is a glob, so a new config is covered the day it is added. Each one run
 - a config without a `data` section (the original inference configs) is merged with the `data`
   and `lightning` sections of configs/tiny/ldm.yaml;
 - a config with only a `lightning` section (a strategy preset) is merged after configs/tiny/ldm.yaml
-  and runs in one CPU process (tests/lun/test_strategies.py runs them with 2);
+  and runs in one CPU process, unless another test launches it with its model (most with 2
+  processes; `PRESETS_LAUNCHED_ELSEWHERE` names that test, and a test here checks it still does);
 - SDXL configs (sgm's GeneralConditioner) get tests/sdxl_helpers.py's tiny SDXL;
 - DiT configs get a DiT of width 32 and depth 1, class-folder data the shapes as 18 classes, and a
   VAE file they require (`first_stage_config.params.ckpt_path: ???`) a random tiny VAE;
@@ -15,6 +16,7 @@ The list is a glob, so a new config is covered the day it is added. Each one run
   T5 tokenizer folder, its T5 being required).
 """
 
+import ast
 import functools
 import json
 import re
@@ -41,15 +43,39 @@ def trains_a_vae(path: Path) -> bool:
     return "autoencoder" in str(OmegaConf.select(OmegaConf.load(path), "model.target", default=""))
 
 
-# The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
-CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
-CONFIG_PARAMS = CONFIGS
-# A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
-TINY_WIDTH = 32
-
-
 def config_id(path: Path) -> str:
     return path.relative_to(ROOT / "configs").as_posix()
+
+
+# The autoencoder configs train another module (no UNet): tests/e2e/test_vae_launcher.py runs them.
+CONFIGS = sorted(p for p in (ROOT / "configs").glob("**/*.yaml") if not trains_a_vae(p))
+# Strategy presets that the test named launches through main.py with a model it fits (most with
+# 2 processes, and with checks of what the strategy saves): a 1-process run here would only
+# repeat their start-up (DeepSpeed's alone costs more than a minute on 2 cores).
+TWO_PROCESS_RESUME = (
+    "tests/lun/test_strategies.py",
+    "test_two_processes_train_resume_and_export_one_file",
+)
+PRESETS_LAUNCHED_ELSEWHERE = {
+    "lightning/ddp.yaml": (
+        "tests/e2e/test_resume.py",
+        "test_two_process_ddp_resume_is_bitwise_exact",
+    ),
+    "lightning/deepspeed_stage2.yaml": TWO_PROCESS_RESUME,
+    "lightning/deepspeed_stage3.yaml": TWO_PROCESS_RESUME,
+    "lightning/fsdp.yaml": TWO_PROCESS_RESUME,
+    "lightning/fsdp-dit.yaml": (
+        "tests/e2e/test_dit_e2e.py",
+        "test_fsdp_wraps_dit_blocks_and_saves_the_released_names",
+    ),
+    "lightning/fsdp-vae.yaml": (
+        "tests/e2e/test_vae_resume.py",
+        "test_two_process_fsdp_trains_as_ddp",
+    ),
+}
+CONFIG_PARAMS = [p for p in CONFIGS if config_id(p) not in PRESETS_LAUNCHED_ELSEWHERE]
+# A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
+TINY_WIDTH = 32
 
 
 def test_the_glob_finds_the_shipped_configs():
@@ -62,6 +88,23 @@ def test_the_glob_finds_the_shipped_configs():
         "stable-diffusion/v1-finetune.yaml",
         "lightning/fsdp.yaml",
     } <= names
+
+
+def test_presets_left_out_here_are_launched_by_the_test_named():
+    """The named test still exists and names the preset in its own text (its parameters or its
+    body), and launches main.py."""
+    for preset, (test_file, test_name) in PRESETS_LAUNCHED_ELSEWHERE.items():
+        assert (ROOT / "configs" / preset).is_file(), preset
+        source = (ROOT / test_file).read_text()
+        (test,) = [
+            node
+            for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef) and node.name == test_name
+        ]
+        first = min([test.lineno] + [d.lineno for d in test.decorator_list])
+        text = "\n".join(source.splitlines()[first - 1 : test.end_lineno])
+        launches = "run_main(" in source or '"main.py"' in source
+        assert f'"{Path(preset).stem}' in text and launches, (preset, test_file, test_name)
 
 
 # --- tiny overrides, from the parts a config names -----------------------------------------------

@@ -91,3 +91,91 @@ def test_converting_holds_one_tensor_at_a_time(tmp_path, tiny_ckpt):
         for key in f.keys():
             expected = convert.cast_weights({key: original[key]}, torch.float16)[key]
             assert torch.equal(f.get_tensor(key), expected), key
+
+
+# --- SD 3 / 3.5: to a diffusers folder diffusers itself loads, and back -------------------------
+
+SD3_TINY = Path(__file__).resolve().parents[2] / "configs" / "sd3" / "tiny.yaml"
+
+
+@pytest.fixture(scope="module")
+def sd3_ckpt(tmp_path_factory):
+    """The tiny SD 3.5 with a tiny random T5 and shift 3.0 (the released configs'), every weight
+    moved by seeded noise (adaLN-Zero would hide the blocks), as a .ckpt and its config."""
+    from omegaconf import OmegaConf
+    from sd3_helpers import T5_CONFIG, t5_tokenizer_folder
+
+    root = tmp_path_factory.mktemp("sd3")
+    cfg = OmegaConf.load(SD3_TINY)
+    cfg.model.params.conditioner_config.params.t5xxl = {
+        "tokenizer": str(t5_tokenizer_folder(root / "t5")),
+        "config": {**T5_CONFIG, "vocab_size": 64},
+    }
+    cfg.model.params.schedule.shift = 3.0
+    config = root / "sd3.yaml"
+    OmegaConf.save(cfg, config)
+    torch.manual_seed(0)
+    model = instantiate_from_config(to_container(merge_configs([config]))["model"])
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            if tensor.is_floating_point():
+                tensor.add_(0.05 * torch.randn_like(tensor))
+    path = root / "sd3.ckpt"
+    torch.save({"state_dict": model.state_dict(), "global_step": 2}, path)
+    return path, config, model.eval()
+
+
+@pytest.mark.slow  # writes a whole pipeline, loads it with diffusers, converts back: ~10 s alone
+def test_sd3_diffusers_folder_loads_in_diffusers_and_converts_back_bit_exact(tmp_path, sd3_ckpt):
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
+    ckpt, config, model = sd3_ckpt
+    folder = tmp_path / "pipeline"
+    convert.main([str(ckpt), "--to-diffusers", str(folder), "--config", str(config)])
+    pipe = StableDiffusion3Pipeline.from_pretrained(folder, local_files_only=True)
+    assert pipe.text_encoder_3 is not None and pipe.tokenizer_3 is not None
+    assert isinstance(pipe.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert pipe.scheduler.config.shift == 3.0
+
+    prompts = ["a red cat", "a photo of a blue dog"]
+    torch.manual_seed(1)
+    x = torch.randn(2, 16, 8, 6)
+    t = torch.tensor([150.0, 800.0])
+    with torch.no_grad():  # diffusers' own text encoding, transformer and VAE against ours
+        embeds, _, pooled, _ = pipe.encode_prompt(
+            prompts, None, None, do_classifier_free_guidance=False, max_sequence_length=12
+        )
+        cond = model.conditioner.condition({"caption": prompts})
+        torch.testing.assert_close(cond["crossattn"], embeds, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cond["vector"], pooled, rtol=1e-5, atol=1e-5)
+        theirs = pipe.transformer(
+            x, encoder_hidden_states=embeds, pooled_projections=pooled, timestep=t
+        ).sample
+        ours = model.backbone(x, t, cond)
+        assert ours.abs().mean() > 0.05  # a real signal
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        # the pipeline's decode: latents / scaling_factor + shift_factor
+        latents = x[:1]
+        image = pipe.vae.decode(
+            latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        ).sample
+        torch.testing.assert_close(model.decode_first_stage(latents), image, rtol=1e-4, atol=1e-4)
+
+    back = tmp_path / "back.safetensors"
+    convert.main([str(folder), str(back)])
+    with safe_open(str(back), framework="pt") as f:
+        written = {k: f.get_tensor(k) for k in f.keys()}
+    original = model.state_dict()
+    assert written.keys() == original.keys()
+    assert all(torch.equal(written[k], original[k]) for k in original)
+
+
+def test_sd3_checkpoint_with_another_familys_config_is_one_line(tmp_path, sd3_ckpt, capsys):
+    ckpt, _, _ = sd3_ckpt
+    sd1 = Path(__file__).resolve().parents[2] / "configs" / "stable-diffusion" / "v1-inference.yaml"
+    with pytest.raises(SystemExit) as exit_info:
+        convert.main([str(ckpt), "--to-diffusers", str(tmp_path / "out"), "--config", str(sd1)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "SD 3" in err[0] and "SD 1.x" in err[0], err
+    assert not (tmp_path / "out").exists()

@@ -222,12 +222,15 @@ def test_deepspeed_section_with_another_strategy_or_unknown_key_is_a_config_erro
 @pytest.mark.slow
 def test_deepspeed_stage_1_with_offload_trains_on_two_processes(tmp_path, tiny_config, shapes_dir):
     """translunar's way, through the launcher on 2 CPU processes: the engine that trained was
-    configured for ZeRO stage 1 with the optimizer offloaded (its config is in the checkpoint)."""
+    configured for ZeRO stage 1 with the optimizer offloaded (its config is in the checkpoint),
+    with the DataModule's batch size per device (Lightning's "auto" batch size read
+    `batch_sampler.batch_size` of lun.data's loader: AttributeError before step 1). The same
+    stage as a `lightning.strategy` block: tests/lun/test_strategies.py's presets."""
     pytest.importorskip("deepspeed")
     logs = tmp_path / "logs"
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
     args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
-    args += ["lightning.trainer.strategy=deepspeed"]
+    args += ["lightning.trainer.strategy=deepspeed", "data.params.batch_size=3"]
     args += ["lightning.deepspeed={stage: 1, offload_optimizer: true}", "-l", str(logs), "-t"]
     result = run_main(args, cwd=tmp_path, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -236,4 +239,5 @@ def test_deepspeed_stage_1_with_offload_trains_on_two_processes(tmp_path, tiny_c
     saved = torch.load(states, map_location="cpu", weights_only=False)
     zero = saved["ds_config"]["zero_optimization"]
     assert zero["stage"] == 1 and zero["offload_optimizer"]["device"] == "cpu"
+    assert saved["ds_config"]["train_micro_batch_size_per_gpu"] == 3  # the DataModule's
     assert saved["global_steps"] == 2

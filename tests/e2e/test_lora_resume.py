@@ -1,5 +1,7 @@
 """A LoRA run resumes exactly: N straight steps equal k steps + kill -9 + `--resume` + N - k steps,
-bit for bit, in the adapter weights, the optimizer's moments and the EMA of the adapters.
+bit for bit, in the adapter weights, the optimizer's moments and the EMA of the adapters; then a
+resume with a longer schedule follows the config. This is the suite's single-process resume (one
+process, killed at an epoch's end); tests/e2e/test_resume.py resumes full weights on 2 processes.
 
 tests/e2e/test_resume.py's launcher runs (demo config made tiny, caption dropout, flips, offset
 noise, warm-up + cosine, EMA, AdamW) with LoRA, LoCon and DoRA on the UNet and LoRA on the text
@@ -10,7 +12,12 @@ compares the EMA, optimizer state and step; this file the adapters (`lora.*`).""
 import pytest
 import torch
 from lora_helpers import build
-from test_resume import AT_EPOCH_END, DEMO, assert_resume_is_exact
+from test_resume import (
+    AT_EPOCH_END,
+    DEMO,
+    assert_a_longer_resume_follows_the_config,
+    assert_resume_is_exact,
+)
 
 from ldm import checkpoint
 
@@ -24,7 +31,7 @@ def adapters(run) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_lora_resume_is_bitwise_exact(tmp_path, shapes_dir):
+def test_lora_resume_is_bitwise_exact_and_a_longer_resume_follows_the_config(tmp_path, shapes_dir):
     base = tmp_path / "base.safetensors"
     checkpoint.save_safetensors(build(DEMO, None, overrides=(SHAPE,)).state_dict(), base)
     extra = (f"model.params.lora={LORA}", f"model.params.ckpt_path={base}")
@@ -42,3 +49,5 @@ def test_lora_resume_is_bitwise_exact(tmp_path, shapes_dir):
     ups = [v for k, v in got.items() if k.endswith("lora_B.weight")]
     assert all(v.abs().max() > 0 for v in ups)
     assert len(saved["optimizer_states"][0]["state"]) == len(got)
+
+    assert_a_longer_resume_follows_the_config(resumed, tmp_path)

@@ -4,7 +4,7 @@ checkpoint is the original layout plus `lora.*`, scripts/lora.py exports and mer
 import lora as lora_script
 import pytest
 import torch
-from run_helpers import run_main, run_main_here
+from run_helpers import run_main_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint
@@ -18,7 +18,8 @@ SETTINGS = "{rank: 2, alpha: 4, targets: [attn, proj, ff, conv], conv_rank: 3}"
 @pytest.mark.slow
 def test_lora_run_export_and_merge(tmp_path, tiny_config, shapes_dir):
     logs = tmp_path / "logs"
-    result = run_main(
+    # main() in this process: a subprocess adds only another start-up of torch and Lightning.
+    result = run_main_here(
         [
             "--base",
             str(tiny_config),

@@ -8,7 +8,7 @@ import json
 import lora as lora_script
 import pytest
 import torch
-from run_helpers import run_main
+from run_helpers import run_main_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint, lora
@@ -41,7 +41,9 @@ def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shap
         for p in base.parameters():
             p.add_(0.05 * torch.randn_like(p))
     torch.save({"state_dict": base.state_dict()}, tmp_path / "base.ckpt")
-    result = run_main(
+    # main.py's main() in this process: a subprocess adds only another start-up of torch and
+    # Lightning (the launch as users type it: tests/e2e/test_main.py).
+    result = run_main_here(
         [
             "--base",
             str(tiny_config),
@@ -56,7 +58,6 @@ def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shap
             "-t",
         ],
         cwd=tmp_path,
-        timeout=600,  # a busy 2-core CI machine; the run itself takes about 30 s of CPU
     )
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = list(logs.iterdir())
@@ -101,8 +102,6 @@ def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shap
 def test_an_unknown_quantization_is_one_line_before_the_run_folder(
     tmp_path, tiny_config, shapes_dir
 ):
-    from run_helpers import run_main_here
-
     result = run_main_here(
         [
             "--base",

@@ -3,7 +3,7 @@ CompVis way, `txt2img.py --ckpt logs/<run>/checkpoints/last.ckpt --config
 logs/<run>/configs/<time>-project.yaml`, and img2img, convert, evaluate and `--base` of a new
 run - although the project's `total_steps: ${lightning.trainer.max_steps}` points into the
 lightning section, which is saved in the other file. The interpolation itself stays as written
-(a `--resume` with a larger max_steps moves it: tests/e2e/test_resume.py)."""
+(a `--resume` with a larger max_steps moves it: tests/e2e/test_lora_resume.py)."""
 
 import convert
 import img2img
@@ -12,7 +12,7 @@ import txt2img
 from eval_helpers import make_small_features
 from omegaconf import OmegaConf
 from PIL import Image
-from run_helpers import run_main, run_main_here
+from run_helpers import run_main_here
 from test_evaluate_script import load_evaluate
 
 from ldm import checkpoint
@@ -29,7 +29,7 @@ SCHEDULE = (
 def run(tmp_path_factory, tiny_config, shapes_dir):
     logs = tmp_path_factory.mktemp("logs")
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
-    result = run_main([*args, SCHEDULE, "-l", str(logs), "-t"], cwd=logs)
+    result = run_main_here([*args, SCHEDULE, "-l", str(logs), "-t"], cwd=logs)  # no 2nd start-up
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = logs.iterdir()
     return run

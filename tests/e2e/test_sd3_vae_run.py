@@ -78,7 +78,7 @@ def test_the_sd3_vae_trains_keeps_ema_and_resumes(tmp_path, shapes_dir):
     assert torch.equal(state[enc], original[f"first_stage_model.{enc}"])  # train_decoder_only
     assert not torch.equal(state[dec], original[f"first_stage_model.{dec}"])
 
-    resumed = run_main(
+    resumed = run_main_here(  # in this process: the first launch was the command line's
         [
             "--resume",
             str(run),

@@ -176,31 +176,3 @@ def test_every_deepspeed_name_lightning_knows_is_our_adapter(name, stage, offloa
     zero = strategy.config["zero_optimization"]
     assert zero["stage"] == stage
     assert zero.get("offload_optimizer", {}).get("device") == offload
-
-
-STAGE_1_OFFLOAD_BLOCK = (
-    "lightning.strategy={target: lun.strategies.DeepSpeedStrategy,"
-    " params: {stage: 1, offload_optimizer: true}}"
-)
-
-
-@pytest.mark.slow
-def test_deepspeed_strategy_block_trains_on_two_processes(tmp_path, tiny_config, shapes_dir):
-    """The seed's stage 1 with offload as a `lightning.strategy` block (Lightning's "auto" batch
-    size read `batch_sampler.batch_size` of lun.data's loader: AttributeError before step 1).
-    Subprocess: DeepSpeed keeps process groups in module state."""
-    pytest.importorskip("deepspeed")
-    logs = tmp_path / "logs"
-    args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
-    args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
-    args += [STAGE_1_OFFLOAD_BLOCK, "data.params.batch_size=3", "-l", str(logs), "-t"]
-    result = run_main(args, cwd=tmp_path, timeout=500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = logs.iterdir()
-    (states,) = (run / "checkpoints").glob("every-2k-steps.ckpt/*/mp_rank_00_model_states.pt")
-    saved = torch.load(states, map_location="cpu", weights_only=False)
-    config = saved["ds_config"]
-    assert config["zero_optimization"]["stage"] == 1
-    assert config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    assert config["train_micro_batch_size_per_gpu"] == 3  # the DataModule's, per device
-    assert saved["global_steps"] == 2

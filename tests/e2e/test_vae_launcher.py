@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import run_main, run_main_here
+from run_helpers import run_main_here
 from safetensors.torch import save_file
 
 from ldm.autoencoder import AutoencoderKL
@@ -54,7 +54,9 @@ def test_autoencoder_config_trains_two_steps(config, tmp_path, shapes_dir):
         save_file(start, tmp_path / "sd.safetensors")
         overrides.append(f"model.params.ckpt_path={tmp_path / 'sd.safetensors'}")
     logs = tmp_path / "logs"
-    result = run_main(["--base", str(config), *overrides, "-l", str(logs), "-t"], cwd=tmp_path)
+    # In this process (as tests/e2e/test_configs.py's runs): a subprocess would spend its time
+    # importing torch and Lightning again; the launcher's code is the same.
+    result = run_main_here(["--base", str(config), *overrides, "-l", str(logs), "-t"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = logs.iterdir()
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=False, map_location="cpu")

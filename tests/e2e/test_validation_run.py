@@ -104,7 +104,7 @@ def test_two_processes_give_the_single_process_figures(shapes_dir, tmp_path):
 def test_validate_only_prints_the_figures_and_leaves_the_run_folder(
     trained_run, shapes_dir, tmp_path
 ):
-    from run_helpers import run_main
+    from run_helpers import run_main, run_main_here
 
     files = sorted(p for p in trained_run.rglob("*"))
     validation = [
@@ -137,18 +137,17 @@ def test_validate_only_prints_the_figures_and_leaves_the_run_folder(
     assert figures["val/items"] == 6
     for name, value in figures.items():
         assert f"  {name:<19}  {value:.6g}\n" in result.stdout
-    # The EMA weights, not the raw ones (the run trained 2 steps: they differ).
-    raw = run_main(
-        ["--validate-only", str(trained_run), "--raw-weights", *validation],
-        cwd=tmp_path,
-        timeout=900,
+    # The EMA weights, not the raw ones (the run trained 2 steps: they differ). In this process
+    # from here on: the launch above was the command line's.
+    raw = run_main_here(
+        ["--validate-only", str(trained_run), "--raw-weights", *validation], cwd=tmp_path
     )
     assert raw.returncode == 0, raw.stderr[-3000:]
     assert "(raw weights)" in raw.stdout
     assert f"validating {trained_run / 'checkpoints'}" in raw.stderr  # not "resuming from"
     assert f"{figures['val/loss']:.6g}" not in raw.stdout
     # Without a validation set: one line, exit status 2.
-    bare = run_main(["--validate-only", str(trained_run)], cwd=tmp_path, timeout=900)
+    bare = run_main_here(["--validate-only", str(trained_run)], cwd=tmp_path)
     assert bare.returncode == 2
     assert bare.stderr.strip().splitlines()[-1] == (
         "config error: --validate-only: the config has no data.params.validation "

@@ -1,12 +1,6 @@
-"""Helpers of tests/lun/test_strategies.py: one optimizer step of the tiny LDM under a strategy.
+"""Helpers of tests/lun/test_strategies.py and test_strategy_numbers.py: one optimizer step of
+the tiny LDM, and the tiny LDM with draws fixed in advance."""
 
-Also a script, so that a strategy that needs a process group of its own (DeepSpeed) runs it in a
-subprocess and not inside pytest:
-
-    python tests/lun/strategy_checks.py deepspeed OUT.pt   # saves {config: (update, loss)}
-"""
-
-import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -102,17 +96,3 @@ def one_step(
     after = dict(model.model.named_parameters())
     update = {n: (after[n].detach().float() - before[n]) for n in before}
     return update, float(trainer.callback_metrics["train/loss"])
-
-
-def main(strategy_name: str, out: str) -> None:
-    from lun.strategies import build_strategy
-
-    results = {}
-    for batch_size, accumulate in ((SAMPLES, 1), (SAMPLES // 2, 2)):
-        strategy = build_strategy(strategy_name)
-        results[f"{batch_size}x{accumulate}"] = one_step(batch_size, accumulate, strategy)
-    torch.save(results, out)
-
-
-if __name__ == "__main__":
-    main(*sys.argv[1:])

@@ -183,17 +183,17 @@ def test_peak_allocated_counts_tensors_alive_together():
 def test_launcher_plans_without_a_run_folder_and_stops_over_budget(
     tmp_path, tiny_config, shapes_dir
 ):
-    from run_helpers import run_main
+    from run_helpers import run_main_here  # neither run trains: no second start-up of torch
 
     args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
     args += ["-l", str(tmp_path / "logs")]
-    planned = run_main([*args, "--plan"], cwd=tmp_path)
+    planned = run_main_here([*args, "--plan"], cwd=tmp_path)
     assert planned.returncode == 0, planned.stderr
     assert "memory plan (host RAM, per rank):" in planned.stdout
     assert "= training peak" in planned.stdout and "activations" in planned.stdout
     assert not (tmp_path / "logs").exists()  # a dry run writes nothing
 
-    over = run_main([*args, "-t", "--host-memory", "0.1"], cwd=tmp_path)
+    over = run_main_here([*args, "-t", "--host-memory", "0.1"], cwd=tmp_path)
     assert over.returncode == 2
     errors = over.stderr.strip().splitlines()
     assert errors[-1].startswith("config error: memory plan: the run needs ")

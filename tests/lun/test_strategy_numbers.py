@@ -5,7 +5,10 @@ batches, and the EMA (decay above 0, no warm-up) equals the average computed by 
 Both sides see the same samples with the same timesteps and noise (`strategy_checks.FixedDraws`):
 rank r of 2 trains on samples 4s + 2r and 4s + 2r + 1 of step s, the single process on all 4.
 Plain SGD, so the update is -lr x gradient and a wrong gradient average (a loss divided twice, a
-missing all-reduce) shows in full. Also the script that the 2 processes run:
+missing all-reduce) shows in full. DeepSpeed ZeRO-2 takes each rank's share as 2 micro-batches
+of 1 (gradient accumulation): Lightning divides the loss by the accumulation and DeepSpeed's
+`engine.backward` divided it again (lun.strategies passes `scale_wrt_gas=False`), which halves
+every update. Also the script that the 2 processes run:
 
     torchrun --nproc-per-node 2 tests/lun/test_strategy_numbers.py OUT_DIR ddp fsdp ...
 """
@@ -31,6 +34,7 @@ from lun.callbacks.ema import EMA
 STEPS = 3
 GLOBAL_BATCH = 4
 DECAY = 0.6
+ACCUMULATE = {"deepspeed_stage_2": 2}  # micro-batches per optimizer step, on each rank
 
 
 def samples_of(rank: int, world_size: int) -> list[int]:
@@ -41,8 +45,9 @@ def samples_of(rank: int, world_size: int) -> list[int]:
     ]
 
 
-def train(strategy, devices: int, rank: int = 0, callbacks=()) -> pl.Trainer:
-    """STEPS steps of the tiny LDM (SGD) with an EMA, on this rank's share of the samples."""
+def train(strategy, devices: int, rank: int = 0, callbacks=(), accumulate: int = 1) -> pl.Trainer:
+    """STEPS steps of the tiny LDM (SGD) with an EMA, on this rank's share of the samples (in
+    `accumulate` micro-batches per step)."""
     generator = torch.Generator().manual_seed(1)
     count = STEPS * GLOBAL_BATCH
     latents = torch.randn(count, 4, 8, 8, generator=generator)
@@ -50,7 +55,7 @@ def train(strategy, devices: int, rank: int = 0, callbacks=()) -> pl.Trainer:
     noise = torch.randn(count, 4, 8, 8, generator=generator)
     mine = samples_of(rank, devices)
     items = [{"latent": latents[i], "caption": f"shape number {i}"} for i in mine]
-    loader = DataLoader(items, batch_size=GLOBAL_BATCH // devices, shuffle=False)
+    loader = DataLoader(items, batch_size=GLOBAL_BATCH // devices // accumulate, shuffle=False)
     model = tiny_model()
     ema = EMA(decay=DECAY, warmup="none", update_every=1)
     trainer = pl.Trainer(
@@ -58,6 +63,7 @@ def train(strategy, devices: int, rank: int = 0, callbacks=()) -> pl.Trainer:
         devices=devices,
         strategy=strategy,
         max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
         use_distributed_sampler=False,  # each rank's loader already holds its share
         callbacks=[ema, *callbacks],
         logger=False,
@@ -174,7 +180,7 @@ def main(out: str, *strategy_names: str) -> None:
 
     rank = int(os.environ["RANK"])
     for name in strategy_names:
-        trainer = train(build_strategy(name), devices=2, rank=rank)
+        trainer = train(build_strategy(name), 2, rank, accumulate=ACCUMULATE.get(name, 1))
         trainer.save_checkpoint(os.path.join(out, f"{name}.ckpt"))  # every rank takes part
 
 

@@ -1,5 +1,6 @@
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -350,3 +351,46 @@ def test_auto_ema_equals_hand_computed_average_and_prints_its_choice(
         assert_close(shadow.double(), expected[name], rtol=1e-5, atol=1e-6)
     line = f"EMA: shadows in host RAM, updated every {ema.update_every} optimizer step(s)"
     assert line in caplog.text
+
+
+def test_a_fixed_update_every_prints_its_cost_and_the_n_that_would_fit(
+    make_module, make_loader, fit, caplog
+):
+    """A fixed N keeps its N (and its exact average) but still says what it costs; over the
+    budget the line names the N that fits: ceil(update / (budget x step)) of the printed times."""
+    caplog.set_level("INFO")
+    ema = EMA(decay=0.9, update_every=1, budget=1e-6, warmup="none")
+    updates = UpdateSteps(ema)
+    fit(make_module(), [SeedEveryStep(), ema, updates], make_loader(batches=8), max_steps=8)
+    assert updates.steps == list(range(1, 9)) and ema.update_every == 1  # N is the user's
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("EMA:"))
+    assert line.startswith("EMA: shadows in host RAM, updated every 1 optimizer step(s)")
+    found = re.search(r"over the budget: update_every=(\d+) \(or 'auto'\) would fit", line)
+    assert found, line
+    # 1e-6 of a step is far less than any update: the fitting N is large (hand bound: an
+    # update costs at least ~1e-3 of this tiny model's step).
+    assert int(found.group(1)) > 100, line
+
+
+def test_bf16_weights_fold_into_fp32_shadows(make_module, make_loader, fit):
+    """Weights in bf16 (precision bf16-true) are folded in as fp32 values: the fp32 average of
+    the recorded bf16 weights, by the formula (shadow <- d * shadow + (1 - d) * weight)."""
+    decay, max_steps = 0.5, 3
+    recorder, ema, module = WeightRecorder(), EMA(decay=decay, warmup="none"), make_module()
+    fit(
+        module,
+        [SeedEveryStep(), recorder, ema],
+        make_loader(batches=4),
+        max_steps=max_steps,
+        precision="bf16-true",
+    )
+    assert {p.dtype for p in module.ema_module.parameters()} == {torch.bfloat16}
+    expected = {n: w.double() for n, w in recorder.by_step[0].items()}
+    for step in range(1, max_steps + 1):
+        expected = {
+            n: decay * s + (1 - decay) * recorder.by_step[step][n].double()
+            for n, s in expected.items()
+        }
+    for name, shadow in ema.shadows.items():
+        assert shadow.dtype == torch.float32
+        assert_close(shadow.double(), expected[name], rtol=1e-6, atol=1e-7)

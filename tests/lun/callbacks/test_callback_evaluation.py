@@ -139,19 +139,19 @@ def test_launcher_refuses_a_missing_prompt_file_before_the_run_folder(
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.mark.slow  # a launcher subprocess training the tiny LatentDiffusion
+@pytest.mark.slow  # the launcher training the tiny LatentDiffusion
 def test_launcher_run_logs_eval_metrics_with_clip_and_keeps_the_best(
     tmp_path, tiny_config, shapes_dir, eval_files
 ):
     """The README's YAML through main.py: the real model draws from prompts, TensorBoard gets
     eval/fid, eval/kid, eval/kid_std and eval/clip_score, and best-fid.ckpt is written."""
     from eval_helpers import make_clip_folder, make_small_features
-    from run_helpers import run_main
+    from run_helpers import run_main_here  # main() here: no second start-up of torch
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     ev = "lightning.callbacks.evaluation"
     best = "lightning.callbacks.best_fid"
-    result = run_main(
+    result = run_main_here(
         [
             "--base",
             str(tiny_config),

@@ -63,10 +63,36 @@ def test_images_per_second_counts_accumulated_batches(make_module, make_loader, 
 
 
 def test_terminal_mode_redraws_one_line(make_module, make_loader, fit, capsys):
-    fit(make_module(), [SmoothedProgressBar(interactive=True)], make_loader(), max_steps=3)
+    bar = SmoothedProgressBar(interactive=True, refresh_seconds=0)
+    fit(make_module(), [bar], make_loader(), max_steps=3)
     err = capsys.readouterr().err
     assert err.count("\rstep ") == 3 and err.endswith("\n")
     assert "step 3/3" in err.split("\r")[-1]
+
+
+def test_terminal_mode_reads_the_loss_at_most_every_refresh_seconds(
+    make_module, make_loader, fit, capsys
+):
+    """Each redraw reads the loss on the host (a device sync): with an hour between redraws a
+    run draws its first step and its last state only, and reads the loss no more often."""
+    reads = []
+
+    class CountedValue(SmoothedValue):
+        @property
+        def value(self):
+            reads.append(self.count)
+            return super().value
+
+    class CountingBar(SmoothedProgressBar):
+        def _reset_meters(self):
+            super()._reset_meters()
+            self.loss = CountedValue(self.smoothing_window)
+
+    bar = CountingBar(interactive=True, refresh_seconds=3600)
+    fit(make_module(), [bar], make_loader(batches=8), max_steps=6)
+    err = capsys.readouterr().err
+    assert [line.split(" | ")[0] for line in err.split("\r")[1:]] == ["step 1/6", "step 6/6"]
+    assert reads == [1, 6]
 
 
 def test_smoothed_value_starts_unbiased():

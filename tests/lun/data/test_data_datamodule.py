@@ -9,8 +9,8 @@ import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from omegaconf import OmegaConf
 
-from ldm.util import instantiate_from_config
 from ldm.model_contract import TrainingContract
+from ldm.util import instantiate_from_config
 
 
 def _config(root, **params):
@@ -232,7 +232,7 @@ def test_seed_and_pin_memory_settings(flat_folder):
 def test_pinned_batches_by_default_on_cuda_only(flat_folder):
     datamodule = instantiate_from_config(_config(flat_folder))
     assert not datamodule.train_dataloader().pin_memory  # no trainer: nothing to pin for
-    for device, pinned in (("cuda", True), ("cpu", False)):
+    for device, pinned in (("cuda", True), ("xpu", True), ("cpu", False), ("mps", False)):
         trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)))
         datamodule = instantiate_from_config(_config(flat_folder))
         datamodule.trainer = trainer
