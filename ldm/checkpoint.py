@@ -122,25 +122,11 @@ def load_weights(
     use_ema = has_ema(state) if ema is None else ema
     if use_ema and not has_ema(state):
         raise KeyError(f"{path}: asked for EMA weights but the checkpoint has none ({EMA_PREFIX}*)")
-    unet_names = [n for n, p in model.model.named_parameters()]
-    if any(peft.PEFT_BASE_LEVEL in n for n in unet_names):
-        # LoRA: a LoRA run's EMA shadows its adapters only; a base model's, the base weights.
-        adapters_in_file = peft.has_adapters(state)
-        unet_names = [
-            peft.peft_free_name(n)
-            for n in unet_names
-            if peft.is_adapter_name(n) == adapters_in_file
-        ]
-    else:
-        # EMA shadows exist for trained weights only (LitEma's rule): not DiT's fixed pos_embed.
-        unet_names = [n for n, p in model.model.named_parameters() if p.requires_grad]
+    unet_names = peft.ema_shadowed(model.model.named_parameters(), state)
     weights = apply_ema(state, unet_names) if use_ema else without_ema(state)
     original.from_original_layout(weights)
     result = model.load_state_dict(weights, strict=False)
-    missing = result.missing_keys
-    if not peft.has_adapters(state):
-        # A base model (an original file, a full fine-tune) under fresh adapters.
-        missing = [k for k in missing if not peft.is_adapter_name(k)]
+    missing = peft.missing_after_load(result.missing_keys, state)
     if strict and (missing or result.unexpected_keys):
         raise KeyError(mismatch_message(path, missing, result.unexpected_keys))
     return state

@@ -39,6 +39,11 @@ class Conditioner(Protocol):
 
     def batch_of(self, inputs) -> dict: ...
 
+    def lora_targets(self) -> list:
+        """The text layers adapters may go on (`ldm.adapters.AdapterTargets`, one per tower);
+        [] when there are none (a class-label or frozen-only conditioner)."""
+        ...
+
 
 class Embedder(nn.Module):
     """One conditioning input: `batch[input_key]` -> the field `field` of the conditioning dict.
@@ -76,6 +81,10 @@ class Embedder(nn.Module):
     def train(self, mode: bool = True):
         # A frozen embedder stays in eval mode (no dropout) while the model around it trains.
         return super().train(mode and self.trainable)
+
+    def lora_targets(self) -> list:
+        """No layers for adapters (class labels, T5); the CLIP towers say theirs."""
+        return []
 
     def batch_of(self, inputs) -> dict:
         """Inputs given alone (prompts, labels) as the batch this conditioner reads."""

@@ -87,6 +87,10 @@ class FluxConditioner(nn.Module):
     def train(self, mode: bool = True):
         return super().train(False)  # frozen encoders: no dropout layers active
 
+    def lora_targets(self) -> list:
+        """None: Flux LoRA files (kohya's, diffusers') hold the transformer's adapters only."""
+        return []
+
     def batch_of(self, inputs) -> dict:
         """Prompts given alone -> the batch this conditioner reads."""
         return dict(inputs) if isinstance(inputs, Mapping) else {CAPTION_KEY: list(inputs)}

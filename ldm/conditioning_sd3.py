@@ -191,6 +191,10 @@ class SD3Conditioner(nn.Module):
     def train(self, mode: bool = True):
         return super().train(False)  # frozen encoders: no dropout layers active
 
+    def lora_targets(self) -> list:
+        """None: SD 3's LoRA files (kohya's, diffusers') hold the MMDiT's adapters only."""
+        return []
+
     def batch_of(self, inputs) -> dict:
         """Prompts given alone -> the batch this conditioner reads."""
         return dict(inputs) if isinstance(inputs, Mapping) else {CAPTION_KEY: list(inputs)}

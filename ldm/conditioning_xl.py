@@ -51,6 +51,9 @@ class ConcatTimestepEmbedderND(nn.Module):
         emb = timestep_embedding(x.reshape(-1), self.outdim)  # (B * N, outdim)
         return emb.reshape(b, -1)  # (B, N * outdim)
 
+    def lora_targets(self) -> list:
+        return []  # no parameters
+
 
 class GeneralConditioner(nn.Module):
     """sgm's `GeneralConditioner`: a list of embedders, each reading one batch key.
@@ -107,6 +110,11 @@ class GeneralConditioner(nn.Module):
         for embedder in self.embedders:  # a frozen embedder stays in eval mode
             embedder.train(mode and embedder.trainable)
         return self
+
+    def lora_targets(self) -> list:
+        """The text towers' (CLIP-L, OpenCLIP bigG), in embedder order: kohya's `lora_te1_` /
+        `lora_te2_`. Each embedder says its own (none for the size / crop embedders)."""
+        return [target for e in self.embedders for target in e.lora_targets()]
 
     def batch_of(self, inputs) -> dict:
         """Prompts given alone -> the batch this conditioner reads."""

@@ -17,9 +17,8 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, objectives
-from ldm import lora as lora_module
+from ldm.adapters import training_mode
 from ldm.attention import sdpa_kernels
-from ldm.autoencoder import DiagonalGaussianDistribution
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
@@ -177,7 +176,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         # Everything that can be wrong in the settings is checked before anything is built.
         objective, speed = grouped_settings(flat, objective, speed)
         objective = objectives.build(parameterization, objective)
-        self.lora_settings = lora_module.parse_settings(lora)
+        self.training_mode = training_mode(lora)  # full fine-tuning, or adapters (`lora:`)
         compile_options = (
             compile_arguments(speed.compile_backbone) if speed.compile_backbone else None
         )
@@ -208,14 +207,10 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
             self.register_buffer(name, value, persistent=schedule_in_checkpoint)
         self._schedule_names = tuple(buffers)
 
-        if self.lora_settings is not None:
-            lora_module.add_adapters(
-                self, self.lora_settings
-            )  # before loading: a LoRA run's file has them
+        self.training_mode.attach(self)  # before loading: a LoRA run's file has its adapters
         if ckpt_path:
             loaded = checkpoint.load_weights(self, ckpt_path, ema=load_ema)
-            if self.lora_settings is not None:
-                lora_module.after_loading(self, loaded)
+            self.training_mode.after_loading(self, loaded)
             log.info("loaded weights from %s%s", ckpt_path, " (EMA)" if load_ema else "")
         self.first_stage_fp32, self.channels_last = speed.first_stage_fp32, speed.channels_last
         if speed.channels_last:
@@ -313,10 +308,8 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     ) -> torch.Tensor:
         """A cached first-stage output -> scaled latent: posterior moments (B, 2C, h, w) are
         sampled as `encode_first_stage` samples them (same draw, same stream); a latent already
-        sampled and scaled (B, C, h, w) is used as it is."""
-        if latent.shape[1] == 2 * self.latent_channels:
-            return self.scale_latents(DiagonalGaussianDistribution(latent).sample(generator))
-        return latent
+        sampled and scaled (B, C, h, w) is used as it is (`batch_latents`, the contract's rule)."""
+        return self.batch_latents({"latent": latent}, generator)
 
     @torch.no_grad()
     def decode_first_stage(self, latents: torch.Tensor) -> torch.Tensor:
@@ -431,10 +424,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     def diffusion_loss(self, batch, generator: torch.Generator | None = None):
         """Noise the latents at times t drawn by the objective; returns (loss, per-sample loss,
         t in the backbone's units)."""
-        if "latent" in batch:  # cached (scripts/cache_latents.py): no VAE pass
-            z = self.cached_latent(batch["latent"], generator)
-        else:
-            z = self.encode_first_stage(batch["image"], generator)
+        z = self.batch_latents(batch, generator)  # cached latents or images (TrainingBatch)
         cond = self.conditioning(batch, generator, drop=self.training)
         t = self.objective.sample_t(z.shape[0], generator, z.device, latent_size=z.shape[-2:])
         noise = self.objective.draw_noise(z, generator)
@@ -443,39 +433,42 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
 
     def loss_at(self, z, cond, t, noise, batch) -> torch.Tensor:
         """Per-sample loss (B,) of the latents z noised with `noise` at times t (the objective's,
-        `ldm.objectives`), times the batch's per-image weights."""
+        `ldm.objectives`), times the batch's per-image weights (DreamBooth's prior loss)."""
         per_sample = self.objective.loss(self.apply_model, z, noise, t, cond, self.schedule)
-        if "loss_weight" in batch:  # per-image weights from the data (DreamBooth's prior loss)
-            per_sample = per_sample * batch["loss_weight"].to(per_sample)
-        return per_sample
+        return per_sample * self.batch_loss_weights(batch, per_sample)
 
     def configure_optimizers(self):
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        text_params = [p for p in self.conditioner.parameters() if p.requires_grad]
-        text = self.lora_settings and self.lora_settings.text_encoder
-        text_lr = text and text.lr
-        if text_lr and text_params:  # the text encoder's adapters at their own rate
-            params = [{"params": params}, {"params": text_params, "lr": text_lr}]
-        else:
-            params += text_params
+        params = self.training_mode.parameter_groups(
+            [p for p in self.model.parameters() if p.requires_grad],
+            [p for p in self.conditioner.parameters() if p.requires_grad],
+        )
         optimizer = build_optimizer(
             params, self.learning_rate, self.optimizer_config, fuse=not self._clips_under_amp()
         )
         scheduler = build_scheduler(optimizer, self.scheduler_config)
         return {"optimizer": optimizer, "lr_scheduler": scheduler} if scheduler else optimizer
 
-    # --- LoRA: the frozen base in the training dtype, the checkpoint in the original layout ----
+    # --- the training mode's hooks (`ldm.adapters`: full fine-tuning, or LoRA's frozen base
+    # in the training dtype and checkpoints in the original layout) ---------------------------
     def setup(self, stage: str) -> None:
-        if self.lora_settings is not None and stage == "fit":
-            lora_module.hold_base_for_training(self, self.trainer)
+        if stage == "fit":
+            self.training_mode.on_fit_start(self, self.trainer)
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
-        if self.lora_settings is not None:
-            lora_module.save_layout(self, ckpt)
+        self.training_mode.on_save_checkpoint(self, ckpt)
 
     def on_load_checkpoint(self, ckpt: dict) -> None:
-        if self.lora_settings is not None:
-            lora_module.load_layout(self, ckpt)
+        self.training_mode.on_load_checkpoint(self, ckpt)
+
+    @property
+    def lora_settings(self):
+        """The training mode's settings: a LoRA run's `ldm.lora.LoraSettings` (None when the
+        whole backbone trains); lun's memory plan resolves `base_quantization: auto` into it."""
+        return self.training_mode.settings
+
+    @lora_settings.setter
+    def lora_settings(self, settings) -> None:
+        self.training_mode.settings = settings
 
     def _clips_under_amp(self) -> bool:
         """Lightning's mixed-precision plugin clips gradients itself and refuses an optimizer

@@ -7,7 +7,9 @@ terms, instead of lun growing `if`s about its parts:
 - `TrainingContract` (every trained module): gradient checkpointing on/off, whether the module
   steps its own optimizers, which strategies it cannot run under;
 - `LatentModelContract` (latent diffusion): images -> model latents, captions -> conditioning,
-  the fingerprint a latent cache is keyed by, the class count of a class-conditional model.
+  the fingerprint a latent cache is keyed by, the class count of a class-conditional model;
+- `TrainingBatch`: the keys the data hands a latent diffusion step, read only through
+  `batch_latents` and `batch_loss_weights` (no step asks which dataset or mode wrote them).
 
 Model latents are `(z - shift_factor) * scale_factor` of a first-stage sample z (the VAE's
 `scaling_factor` / `shift_factor` in diffusers' config; SD 1.x/2.x: 0.18215 and 0; SD3: 1.5305
@@ -16,6 +18,8 @@ and 0.0609).
 
 import hashlib
 import json
+from collections.abc import Mapping
+from typing import TypedDict
 
 import torch
 from torch import nn
@@ -44,6 +48,26 @@ def module_fingerprint(module: nn.Module) -> str:
         digest.update(f"{name}:{tensor.dtype}:{list(tensor.shape)}".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+class TrainingBatch(TypedDict, total=False):
+    """A batch of a latent diffusion model's training or validation step, as `lun.data` writes it.
+
+    image: (B, 3, H, W) in [-1, 1], encoded by the first stage in the step; absent when `latent`
+        is given.
+    latent: cached first-stage output (`scripts/cache_latents.py`, `lun.data.latent_cache`): the
+        posterior moments (B, 2C, h, w), mean and log-variance in the VAE's units, sampled in
+        the step as an image's would be; or (B, C, h, w), a latent already sampled and scaled.
+    loss_weight: (B,) weight of each sample's loss (DreamBooth's prior preservation,
+        `lun.data.dreambooth`); absent: 1.
+    caption, label, ...: what the conditioner reads (its `input_key`; SDXL's size and crop
+        keys), and `context`: cached conditioning (`ldm.conditioning`).
+    """
+
+    image: torch.Tensor
+    latent: torch.Tensor
+    loss_weight: torch.Tensor
+    caption: list[str]
 
 
 class TrainingContract:
@@ -138,6 +162,35 @@ class LatentModelContract(TrainingContract):
     ) -> torch.Tensor:
         """(B, 3, H, W) in [-1, 1] -> model latents, one posterior sample drawn from `generator`."""
         return self.encode_first_stage(images, generator)
+
+    def batch_latents(
+        self, batch: Mapping, generator: torch.Generator | None = None, mean: bool = False
+    ) -> torch.Tensor:
+        """Model latents of a `TrainingBatch`: its cached `latent` (no VAE pass) or its `image`
+        encoded; one posterior sample drawn from `generator` (the same draw, on the same stream,
+        for both), or with `mean` the posterior's mean (validation's noise-free latent). A latent
+        cached already sampled and scaled is used as it is."""
+        from ldm.autoencoder import DiagonalGaussianDistribution
+
+        latent = batch.get("latent")
+        if latent is None:
+            if not mean:
+                return self.encode_first_stage(batch["image"], generator)
+            encode = self.first_stage_model.encode
+            return self.scale_latents(
+                self._run_first_stage(lambda x: encode(x).mode(), batch["image"])
+            )
+        if latent.shape[1] != 2 * self.latent_channels:
+            return latent
+        posterior = DiagonalGaussianDistribution(latent)
+        return self.scale_latents(posterior.mode() if mean else posterior.sample(generator))
+
+    @staticmethod
+    def batch_loss_weights(batch: Mapping, per_sample: torch.Tensor) -> torch.Tensor:
+        """The weights of a `TrainingBatch`'s per-sample losses, in their dtype and device: its
+        `loss_weight`, else 1 (a 0-dim one: the product is exact)."""
+        weights = batch.get("loss_weight")
+        return per_sample.new_ones(()) if weights is None else weights.to(per_sample)
 
     def encoders_to(self, device: torch.device | str) -> None:
         """The first stage (in eval mode) and the conditioner to `device`: what encoding

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import tempfile
 from collections import OrderedDict
 from functools import lru_cache
@@ -26,8 +27,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer, PreTrainedModel
 
+from ldm.adapters import AdapterTargets
 from ldm.conditioning import TextEmbedder
 
 BPE_VOCAB_FILE = "bpe_simple_vocab_16e6.txt.gz"
@@ -56,6 +58,9 @@ CLIP_VIT_L14_TEXT_CONFIG = {
 CLIP_VIT_L14_HUB_IDS = (None, "openai/clip-vit-large-patch14")
 
 # OpenCLIP text towers (open_clip/model_configs/<arch>.json, `text_cfg` and `embed_dim`).
+# The layers LoRA may adapt (kohya's `lora_te_` modules): attention and MLP of each block.
+CLIP_LORA_LAYERS = r"(^|\.)encoder\.layers\.(\d+)\.(self_attn\.(q|k|v|out)_proj|mlp\.fc[12])"
+OPENCLIP_LORA_LAYERS = r"transformer\.resblocks\.(\d+)\.(attn\.out_proj|mlp\.c_fc|mlp\.c_proj)"
 OPENCLIP_TEXT_ARCHS = {
     "ViT-L-14": {"width": 768, "layers": 12, "heads": 12, "embed_dim": 768},
     "ViT-H-14": {"width": 1024, "layers": 24, "heads": 16, "embed_dim": 1024},
@@ -279,6 +284,24 @@ class FrozenCLIPEmbedder(TextEmbedder):
             return outputs.pooler_output[:, None, :]  # (B, 1, width)
         return outputs.hidden_states[self.layer_idx]  # (B, L, width)
 
+    def lora_targets(self) -> list[AdapterTargets]:
+        """kohya's `lora_te_` layers (q/k/v/out projections, fc1/fc2) of the encoder layers the
+        output reads: `layer: hidden` at index k reads the first k (hidden_states[k] is the
+        output of layer k - 1; SDXL's layer_idx 11 leaves the last of 12 out) - adapters on the
+        others would get no gradient, which DDP refuses. peft is given the transformers model
+        itself (it reads the library's conversion rules from it)."""
+        clip = next(m for m in self.transformer.modules() if isinstance(m, PreTrainedModel))
+        layers = clip.config.num_hidden_layers
+        used = self.layer_idx % (layers + 1) if self.layer == "hidden" else layers
+        return [AdapterTargets(clip, clip_lora_layers(clip, used), tower=self)]
+
+
+def clip_lora_layers(text_model: nn.Module, used_layers: int | None = None) -> list[str]:
+    """Names (in a CLIP text model) of kohya's `lora_te_` layers (attention and MLP), of its
+    first `used_layers` encoder layers (default all)."""
+    found = [(n, re.search(CLIP_LORA_LAYERS + "$", n)) for n, m in text_model.named_modules()]
+    return [n for n, f in found if f and int(f[2]) < (used_layers or math.inf)]
+
 
 # ---------------------------------------------------------------------- v2: OpenCLIP ViT-H/14
 
@@ -435,6 +458,31 @@ class FrozenOpenCLIPEmbedder(TextEmbedder):
     def forward(self, texts: list[str]) -> torch.Tensor:
         tokens = self.tokenize(texts).to(self.model.token_embedding.weight.device)  # (B, L)
         return self.encode_with_transformer(tokens)  # (B, L, width)
+
+    def blocks_read(self) -> int:
+        """How many of the blocks the output reads: SD 2.x's penultimate layer leaves the last
+        one out (as kohya's and diffusers' 23-layer CLIPTextModel of it do)."""
+        return len(self.model.transformer.resblocks) - self.LAYERS[self.layer]
+
+    def lora_targets(self) -> list[AdapterTargets]:
+        """The attention output and MLP layers and the fused q/k/v weight of the blocks read
+        (`openclip_lora_layers`); peft adapts a fused weight with plain LoRA only."""
+        linears, fused = openclip_lora_layers(self.model, self.blocks_read())
+        why = (
+            "the OpenCLIP text encoder (SD 2.x) takes plain LoRA (its fused q/k/v weight has "
+            "no dropout or DoRA in peft)"
+        )
+        return [AdapterTargets(self.model, linears, fused, plain_only=why, tower=self)]
+
+
+def openclip_lora_layers(tower: nn.Module, used_blocks: int) -> tuple[list[str], list[str]]:
+    """Names (in an OpenCLIP text tower) of the LoRA layers of its first `used_blocks` blocks:
+    the Linear layers (attention output, MLP) and the fused q/k/v weights (`attn.in_proj_weight`,
+    a parameter: peft's `target_parameters`, one LoRA of the stacked q/k/v rows)."""
+    found = [re.fullmatch(OPENCLIP_LORA_LAYERS, n) for n, m in tower.named_modules()]
+    linears = [f[0] for f in found if f and int(f[1]) < used_blocks]
+    fused = [f"transformer.resblocks.{i}.attn.in_proj_weight" for i in range(used_blocks)]
+    return linears, fused
 
 
 def tokenizer_of(cls, params: dict) -> tuple[str | None, bool] | None:

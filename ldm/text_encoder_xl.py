@@ -54,3 +54,11 @@ class FrozenOpenCLIPEmbedder2(FrozenOpenCLIPEmbedder):
         eot = x[torch.arange(x.shape[0]), tokens.argmax(dim=-1)]  # (B, width)
         pooled = model.ln_final(eot) @ model.text_projection  # (B, embed_dim)
         return features, pooled
+
+    def blocks_read(self) -> int:
+        """The pooled output reads the last block, so with it all of them (LoRA targets)."""
+        return (
+            len(self.model.transformer.resblocks)
+            if self.always_return_pooled
+            else super().blocks_read()
+        )

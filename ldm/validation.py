@@ -27,8 +27,6 @@ import logging
 import numpy as np
 import torch
 
-from ldm.autoencoder import DiagonalGaussianDistribution
-
 log = logging.getLogger(__name__)
 
 # The batch key holding each item's index in the validation set (lun.data.DataModule adds it).
@@ -132,15 +130,8 @@ class FixedNoiseValidation:
 def clean_latent(model, batch) -> torch.Tensor:
     """The model's latent of the batch without posterior noise: the VAE posterior's mean (or a
     cached latent's mean; a latent cached already sampled is used as it is), shifted and scaled
-    (`LatentDiffusion.scale_latents`)."""
-    if "latent" in batch:
-        latent = batch["latent"]
-        if latent.shape[1] == 2 * model.latent_channels:
-            return model.scale_latents(DiagonalGaussianDistribution(latent).mode())
-        return latent
-    images = batch["image"]
-    mode = model._run_first_stage(lambda x: model.first_stage_model.encode(x).mode(), images)
-    return model.scale_latents(mode)
+    (`LatentDiffusion.scale_latents`; the batch contract's `batch_latents`)."""
+    return model.batch_latents(batch, mean=True)
 
 
 def gather_rows(model, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -60,3 +60,21 @@ def to_module_layout(
     names.update({ema_key(peft_free_name(n)): ema_key(n) for n in backbone_names})
     for key in [k for k in state if k in names and names[k] != k]:
         state[names[key]] = state.pop(key)
+
+
+def ema_shadowed(named_parameters: Iterable, state: Mapping) -> list[str]:
+    """The backbone's names (`LatentDiffusion.model.named_parameters()`) whose EMA shadows
+    `state` holds. EMA shadows exist for trained weights only (LitEma's rule: not DiT's fixed
+    pos_embed); under LoRA layers, a LoRA run's file shadows its adapters only and a base
+    model's file its base weights, by their checkpoint names."""
+    named = list(named_parameters)
+    if not any(PEFT_BASE_LEVEL in n for n, _ in named):
+        return [n for n, p in named if p.requires_grad]
+    in_file = has_adapters(state)
+    return [peft_free_name(n) for n, _ in named if is_adapter_name(n) == in_file]
+
+
+def missing_after_load(missing: Iterable[str], state: Mapping) -> list[str]:
+    """The keys a strict load of `state` really misses: fresh adapters are not missing from a
+    base model's file (an original file, a full fine-tune) that has none."""
+    return list(missing) if has_adapters(state) else [k for k in missing if not is_adapter_name(k)]

@@ -233,7 +233,7 @@ def test_the_scan_reads_constants_and_f_strings(tmp_path, source, expected):
 SDXL_OWNER = "ldm/layout/family.py"
 # The LoRA code's own `is_sdxl` (hasattr(conditioner, "embedders")), which the adapters work of
 # issue 31.2 replaces by a call to family.is_sdxl: remove the entry when it has gone.
-SDXL_PENDING = {"ldm/lora.py"}
+SDXL_PENDING = set()
 SDXL_VECTOR_WIDTH = 1280 + 3 * 2 * 256  # SDXL base's `vector`: pooled bigG + 3 size pairs
 
 
