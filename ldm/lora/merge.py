@@ -183,10 +183,8 @@ def merge_file(
     may hold diffusers' alphas), into `model` at `weight` (`merge_kohya`)."""
     family = backbone_family(model.backbone)
     if family is not None and not any(k.endswith(".lora_down.weight") for k in state):
-        raise ValueError(
-            f"{source}: only kohya-format {family.name} LoRA files (<name>.lora_down.weight) "
-            "merge here; load a diffusers-format one with diffusers' load_lora_weights"
-        )
+        # diffusers' names (transformer.*.lora_A/B, split q/k/v) -> the kohya file of the same update
+        state = family.layout.kohya_from_diffusers(state, metadata)
     if lora_kohya.is_diffusers_format(state):
         state, magnitudes = lora_kohya.from_diffusers(state, metadata, is_sdxl(model))
         return merge_kohya(model, state, weight, source, magnitudes)

@@ -97,6 +97,10 @@ def test_diffusers_file_through_diffusers_loader_gives_our_output(model):
     merged, plain = copy.deepcopy(model), copy.deepcopy(model)
     lora.merge_adapters(merged)
     lora._unload(plain)
+    from_diffusers = copy.deepcopy(plain)
     assert lora.merge_file(plain, lora.kohya_state_dict(model)) == 13  # double block: 10, single: 3
+    # diffusers' format (split q/k/v, transformer.* names) merges to the same weights
+    assert lora.merge_file(from_diffusers, lora.diffusers_state_dict(model)) == 13
     for k, v in merged.backbone.state_dict().items():
         torch.testing.assert_close(plain.backbone.state_dict()[k], v, msg=k)
+        torch.testing.assert_close(from_diffusers.backbone.state_dict()[k], v, msg=k)

@@ -156,20 +156,24 @@ def test_comfyui_loads_every_key_and_gives_peft_merge(model, fmt):
         torch.testing.assert_close(got[k], expected[k], msg=k)
 
 
-def test_kohya_file_merges_back(model):
-    """Our reader (merge_file, as scripts/lora.py and txt2img --lora use it) of our kohya file
-    on the plain model gives peft's merge; a file of another family is one clear error."""
+@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
+def test_file_merges_back(model, fmt):
+    """Our reader (merge_file, as scripts/lora.py and txt2img --lora use it) of our kohya or
+    diffusers file on the plain model gives peft's merge; a file of another family is one clear
+    error."""
     merged = copy.deepcopy(model)
     lora.merge_adapters(merged)
     plain = copy.deepcopy(model)
     lora._unload(plain)
-    file = lora.kohya_state_dict(model)
+    file = lora.kohya_state_dict(model) if fmt == "kohya" else lora.diffusers_state_dict(model)
     assert lora.merge_file(plain, file, source="sd3.safetensors") == 15
     for k, v in merged.backbone.state_dict().items():
         torch.testing.assert_close(plain.backbone.state_dict()[k], v, msg=k)
+    down = lora.kohya_state_dict(model)[
+        "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight"
+    ]
     with pytest.raises(ValueError, match="lora_unet_input_blocks_1_1_proj_in names no Linear"):
-        lora.merge_file(plain, {"lora_unet_input_blocks_1_1_proj_in.lora_down.weight": file[
-            "lora_unet_joint_blocks_0_x_block_attn_qkv.lora_down.weight"]})  # fmt: skip
+        lora.merge_file(plain, {"lora_unet_input_blocks_1_1_proj_in.lora_down.weight": down})
 
 
 def test_dora_on_mmdit_is_one_clear_error():
