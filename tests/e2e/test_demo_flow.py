@@ -4,6 +4,7 @@ and are drawn with flow Euler, checked against Esser et al. 2024 (arXiv:2403.032
 here: x_t = (1 - t) x_0 + t e, target e - x_0 (sec. 2), t = sigmoid(u), u ~ N(0, 1) (sec. 3.1),
 and Euler steps x <- x + (t_next - t) v on diffusers' SD3 step times."""
 
+import functools
 import math
 from pathlib import Path
 
@@ -26,6 +27,7 @@ BACKBONE_KEY = {
 PROMPTS = ["a red circle", "a blue square on a white background"]
 
 
+@functools.cache  # built once per overlay: the tests only read it
 def demo_model(overlay: str):
     """The overlay's model on shapes.yaml, its backbone weights drawn at random: an untrained
     backbone outputs zeros (zero-initialised output layers, adaLN-Zero), which every sampler
