@@ -2,9 +2,11 @@
 
     python scripts/demo.py                  # data -> train -> sample grid -> scores
     python scripts/demo.py --max-steps 500  # a shorter (and worse) run
+    python scripts/demo.py --config configs/demo/shapes-flow.yaml   # rectified flow (docs/flow.md)
+    python scripts/demo.py --config configs/demo/shapes-mmdit.yaml  # a small MMDiT, with flow
 
 1. makes the synthetic shapes data set with scripts/make_shapes.py, unless it is there;
-2. trains configs/demo/shapes.yaml with main.py (a run folder under logs/);
+2. trains configs/demo/shapes.yaml (and the --config overlays on it) with main.py (a run folder under logs/);
 3. draws a sample grid for a fixed prompt list with scripts/txt2img.py;
 4. scores colour and shape on every (colour, shape) prompt with scripts/eval_shapes.py;
 5. prints where the grid is.
@@ -33,6 +35,20 @@ PROMPTS = (
 # Sampling settings of the grid and the scores (chosen on the demo's own runs).
 ENLARGE = 8  # the grid is also saved this many times larger, pixels kept sharp
 SAMPLING = ["--sampler", "ddim", "--steps", "25", "--scale", "4"]
+# A rectified-flow model is drawn with flow Euler (ldm/flow.py), the same steps and guidance.
+FLOW_SAMPLING = ["--sampler", "euler", "--steps", "25", "--scale", "4"]
+
+
+def sampling_for(configs: list[str]) -> list[str]:
+    """The sampler flags for the model of the merged `configs`: flow Euler for a flow model
+    (`parameterization: flow`), DDIM for eps / v."""
+    from omegaconf import OmegaConf
+
+    from lun.config import merge_configs
+
+    merged = merge_configs([ROOT / config for config in configs])
+    objective = OmegaConf.select(merged, "model.params.parameterization", default="eps")
+    return FLOW_SAMPLING if objective == "flow" else SAMPLING
 
 
 def idle_cores() -> int:
@@ -91,9 +107,19 @@ def main(argv=None) -> None:
     parser.add_argument("--logdir", default="logs", help="parent folder of the run folder")
     parser.add_argument("--max-steps", type=int, help="training steps (default: the config's)")
     parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="an overlay on configs/demo/shapes.yaml, e.g. configs/demo/shapes-flow.yaml "
+        "(rectified flow) or configs/demo/shapes-mmdit.yaml (an MMDiT); repeatable",
+    )
+    parser.add_argument(
         "--threads", type=int, help="CPU threads (default: $OMP_NUM_THREADS, else the idle cores)"
     )
     args = parser.parse_args(argv)
+    for overlay in args.config:
+        if not (ROOT / overlay).is_file():
+            parser.error(f"--config {overlay}: no such file (paths are from {ROOT})")
     if args.threads or "OMP_NUM_THREADS" not in os.environ:
         # Read by PyTorch in every step below (each is a new process).
         os.environ["OMP_NUM_THREADS"] = str(args.threads or idle_cores())
@@ -109,15 +135,17 @@ def main(argv=None) -> None:
     overrides = [f"data.params.train.params.data_root={data}", *device_overrides(cuda_available())]
     if args.max_steps is not None:
         overrides.append(f"lightning.trainer.max_steps={args.max_steps}")
-    config = str(CONFIG.relative_to(ROOT))
-    train = ["main.py", "--base", config, *overrides, "-n", "demo-shapes", "-l", args.logdir]
+    configs = [str(CONFIG.relative_to(ROOT)), *args.config]
+    name = "demo-" + Path(configs[-1]).stem  # demo-shapes, demo-shapes-flow, ...
+    train = ["main.py", "--base", *configs, *overrides, "-n", name, "-l", args.logdir]
     run_folder = ROOT / run(*train, "-t", capture_run_folder=True)
     ckpt = str(run_folder / "checkpoints" / "last.ckpt")
 
     prompts = run_folder / "demo-prompts.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
     samples = run_folder / "samples"
-    generate = ["--ckpt", ckpt, "--seed", "0", *SAMPLING]
+    sampling = sampling_for(configs)
+    generate = ["--ckpt", ckpt, "--seed", "0", *sampling]
     grid_args = ["--from-file", str(prompts), "--n_samples", "6", "--outdir", str(samples)]
     run("scripts/txt2img.py", *generate, *grid_args)
     scored = ["--n", "8", "--verbose", "--grid", str(run_folder / "eval.png")]
@@ -132,7 +160,7 @@ def main(argv=None) -> None:
     print(f"\nsample grid (one row per prompt of {prompts}):\n  {grid}\n  {enlarged} (enlarged)")
     print(
         f"more images: python scripts/txt2img.py --ckpt {ckpt} --prompt 'a blue circle' "
-        f"--n_samples 8 {' '.join(SAMPLING)}"
+        f"--n_samples 8 {' '.join(sampling)}"
     )
 
 

@@ -42,6 +42,7 @@ def train(out: Path, features: Path, args) -> Path:
             "main.py",
             "--base",
             "configs/demo/shapes.yaml",
+            *args.config,
             f"data.params.train.params.data_root={out / 'data'}",
             f"lightning.trainer.max_steps={args.max_steps}",
             f"{key}.evaluation.target=lun.callbacks.evaluation.Evaluation",
@@ -50,6 +51,7 @@ def train(out: Path, features: Path, args) -> Path:
             f"{ev}.prompts={out / 'prompts.txt'}",
             f"{ev}.every_n_steps={args.every}",
             f"{ev}.num_eval_images={args.images}",
+            f"{ev}.sampler={args.sampler}",
             f"{ev}.steps={args.sampling_steps}",
             f"{ev}.scale=4.0",
             f"{ev}.batch_size=54",
@@ -147,7 +149,16 @@ def main(argv=None) -> None:
     parser.add_argument("--max-steps", type=int, default=600)
     parser.add_argument("--every", type=int, default=100, help="steps between evaluations")
     parser.add_argument("--images", type=int, default=54, help="images per evaluation")
-    parser.add_argument("--sampling-steps", type=int, default=10, help="DDIM steps per image")
+    parser.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="an overlay on configs/demo/shapes.yaml, e.g. configs/demo/shapes-flow.yaml",
+    )
+    parser.add_argument(
+        "--sampler", default="ddim", help="the evaluation's sampler (euler for a flow model)"
+    )
+    parser.add_argument("--sampling-steps", type=int, default=10, help="sampling steps per image")
     parser.add_argument("--batch-size", type=int, default=16, help="training batch size")
     parser.add_argument("--features", help="a SmallCNN file (default: train one)")
     parser.add_argument("--resume", help="a run folder of this script: train on to --max-steps")
