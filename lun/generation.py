@@ -25,7 +25,14 @@ from lun.config import check_complete, merge_configs, to_container
 from lun.contract import LatentModel
 from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
 from lun.images import make_grid
-from lun.lora_use import apply_loras, infotext_fields, parse_specs, tagged_prompt
+from lun.lora_use import (
+    apply_loras,
+    check_lora_files,
+    check_lora_target,
+    infotext_fields,
+    parse_specs,
+    tagged_prompt,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -145,28 +152,6 @@ def model_config(args):
 def load_vae(model: LatentModel, path: str) -> None:
     """Replace the model's first stage with the VAE in `path` (strict: every weight, same shapes)."""
     model.load_first_stage(path, what="--vae")
-
-
-def check_lora_files(files: list[tuple[Path, float]]) -> None:
-    """Every `--lora` file holds adapters only (not a model, a VAE...): read from its keys."""
-    for path, _ in files:
-        found = family.file_family(path)
-        if found != family.LORA:
-            hint = "a model goes to --ckpt (with its --config)"
-            checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
-
-
-def check_lora_target(model: LatentModel, files: list[tuple[Path, float]]) -> None:
-    """LoRA files name the UNet's and text encoders' layers, or SD 3's / Flux's blocks (kohya /
-    diffusers): other backbones (DiT) have none of them."""
-    found = family.model_family(model)
-    if files and found not in (family.SD1, family.SD2, family.SDXL, family.SD3, family.FLUX):
-        raise checkpoint.WrongFileError(
-            f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x, SDXL, SD 3 and Flux.1 "
-            "models; this "
-            f"model is {family.a(found) if found else 'another architecture'}, which has no "
-            "layers of those names"
-        )
 
 
 def check_conditioning(model: LatentModel, args) -> None:

@@ -12,6 +12,29 @@ from pathlib import Path
 import torch
 
 from ldm import checkpoint, lora
+from ldm.layout import family
+
+
+def check_lora_files(files: list[tuple[Path, float]]) -> None:
+    """Every `--lora` file holds adapters only (not a model, a VAE...): read from its keys."""
+    for path, _ in files:
+        found = family.file_family(path)
+        if found != family.LORA:
+            hint = "a model goes to --ckpt (with its --config)"
+            checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
+
+
+def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:
+    """LoRA files name the UNet's and text encoders' layers, or SD 3's / Flux's blocks (kohya /
+    diffusers): other backbones (DiT) have none of them."""
+    found = family.model_family(model)
+    if files and found not in (family.SD1, family.SD2, family.SDXL, family.SD3, family.FLUX):
+        raise checkpoint.WrongFileError(
+            f"--lora {files[0][0]}: LoRA files apply to SD 1.x, SD 2.x, SDXL, SD 3 and Flux.1 "
+            "models; this "
+            f"model is {family.a(found) if found else 'another architecture'}, which has no "
+            "layers of those names"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

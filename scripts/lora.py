@@ -67,8 +67,8 @@ def merge(args) -> None:
     import torch
 
     from ldm import checkpoint, lora
-    from lun.generation import check_lora_files, check_lora_target, writing
-    from lun.lora_use import parse_spec, safetensors_metadata
+    from lun.generation import writing
+    from lun.lora_use import check_lora_files, check_lora_target, parse_spec, safetensors_metadata
 
     files = [parse_spec(item) for item in args.lora]
     check_lora_files(files)  # before the model is built

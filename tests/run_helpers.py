@@ -53,3 +53,31 @@ def run_main_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(old_environ)
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+
+
+def train_demo(tmp: Path, *configs: Path) -> Path:
+    """2 training steps of the shapes demo (configs/demo/shapes.yaml and `configs` overlays) on 8
+    generated 16 px images through main.py, as `make demo` / `scripts/demo.py --config` train it;
+    the run folder."""
+    from make_shapes import make_shapes
+
+    make_shapes(tmp / "shapes", n=8, size=16, seed=0)
+    logs = tmp / "logs"
+    demo = ROOT / "configs" / "demo"
+    result = run_main(
+        [
+            "--base",
+            str(demo / "shapes.yaml"),
+            *map(str, configs),
+            f"data.params.train.params.data_root={tmp / 'shapes'}",
+            "data.params.batch_size=4",
+            "lightning.trainer.max_steps=2",
+            "-l",
+            str(logs),
+            "-t",
+        ],
+        cwd=tmp,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = list(logs.iterdir())
+    return run

@@ -107,10 +107,9 @@ def _merge_fsdp_shards(path: Path, unsafe: bool) -> dict:
 def _as_lightning_checkpoint(weights: dict, client: dict) -> dict:
     """Merged weights (module names) + the client state Lightning saved beside them."""
     original.from_original_layout(weights)
-    if any(peft.is_adapter_name(k) for k in weights):
-        # A LoRA run: peft's levels out, adapters under `lora.`, as `ldm.lora.save_layout` does
-        # for files (the engines save the module's own names).
-        weights = peft.to_original_layout(weights)
+    # A LoRA run: peft's levels out, adapters under `lora.`, as the LoRA mode's checkpoint hook
+    # does for files (the engines save the module's own names); other runs' names are kept.
+    weights = peft.to_original_layout(weights)
     weights.update(client.get(CALLBACK_STATE_KEY) or {})
     kept = {
         k: v

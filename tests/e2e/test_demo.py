@@ -10,9 +10,7 @@ from eval_shapes import Reading, Scores, analyze
 from eval_shapes import main as eval_main
 from make_shapes import SHAPE_COLORS, SHAPES, make_shapes
 from PIL import Image
-from run_helpers import ROOT, run_main
-
-DEMO_CONFIG = ROOT / "configs" / "demo" / "shapes.yaml"
+from run_helpers import train_demo
 
 
 @pytest.mark.parametrize("size", [16, 32])
@@ -35,25 +33,7 @@ def test_pixel_analysis_finds_no_shape_in_a_plain_image():
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory) -> Path:
     """2 training steps of the demo config on 8 generated images, as `make demo` runs it."""
-    tmp = tmp_path_factory.mktemp("demo")
-    make_shapes(tmp / "shapes", n=8, size=16, seed=0)
-    logs = tmp / "logs"
-    result = run_main(
-        [
-            "--base",
-            str(DEMO_CONFIG),
-            f"data.params.train.params.data_root={tmp / 'shapes'}",
-            "data.params.batch_size=4",
-            "lightning.trainer.max_steps=2",
-            "-l",
-            str(logs),
-            "-t",
-        ],
-        cwd=tmp,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
-    return run
+    return train_demo(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.mark.slow

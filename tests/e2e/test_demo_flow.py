@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from eval_shapes import main as eval_main
-from make_shapes import SHAPE_COLORS, SHAPES, make_shapes
-from run_helpers import ROOT, run_main
+from make_shapes import SHAPE_COLORS, SHAPES
+from run_helpers import ROOT, train_demo
 
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
@@ -106,26 +106,7 @@ def flow_demo_run(request, tmp_path_factory) -> tuple[str, Path]:
     """2 training steps of shapes.yaml + the overlay on 8 generated images, as
     `python scripts/demo.py --config configs/demo/OVERLAY` trains it."""
     overlay = request.param
-    tmp = tmp_path_factory.mktemp("flow-demo")
-    make_shapes(tmp / "shapes", n=8, size=16, seed=0)
-    logs = tmp / "logs"
-    result = run_main(
-        [
-            "--base",
-            str(DEMO / "shapes.yaml"),
-            str(DEMO / overlay),
-            f"data.params.train.params.data_root={tmp / 'shapes'}",
-            "data.params.batch_size=4",
-            "lightning.trainer.max_steps=2",
-            "-l",
-            str(logs),
-            "-t",
-        ],
-        cwd=tmp,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
-    return overlay, run
+    return overlay, train_demo(tmp_path_factory.mktemp("flow-demo"), DEMO / overlay)
 
 
 # Slow (one main.py launch per config, ~15 s each on 2 cores): the only proof that the overlays

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
+from graph_helpers import circles
 
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "tests" / "reference"
@@ -152,37 +153,6 @@ def imports_of(path: Path, root: Path = ROOT) -> set[str]:
 def import_graph(package: str = "ldm", root: Path = ROOT) -> dict[str, set[str]]:
     files = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
     return {name: imports_of(path, root) & set(files) - {name} for name, path in files.items()}
-
-
-def circles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components of more than one module (Tarjan's algorithm)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for nxt in sorted(graph.get(node, ())):
-            if nxt not in index:
-                visit(nxt)
-                low[node] = min(low[node], low[nxt])
-            elif nxt in on_stack:
-                low[node] = min(low[node], index[nxt])
-        if low[node] == index[node]:
-            component = []
-            while True:
-                top = stack.pop()
-                on_stack.discard(top)
-                component.append(top)
-                if top == node:
-                    break
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
 
 
 def test_circles_finds_a_loop_and_only_loops():
