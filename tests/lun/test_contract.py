@@ -38,6 +38,8 @@ ALLOWED_INTERNALS = {
     # Conversion to diffusers writes each part in diffusers' layout: it is about the parts
     # (the scale factor goes into the VAE's config, the text encoders into their folders).
     "scripts/convert.py": {"conditioner", "scale_factor"},
+    # Its SD 3 part: the MMDiT's config, the three text encoders, the VAE's scale and shift.
+    "scripts/convert_sd3.py": {"backbone", "conditioner", "scale_factor", "shift_factor"},
     # Compares our UNet with diffusers' under LoRA: the backbone is what is measured.
     "scripts/benchmark_lora.py": {"backbone"},
 }
