@@ -639,7 +639,7 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
 def _batch_size(batch) -> int:
     if batch is None:
         return 1
-    from lun.callbacks.progress import batch_size_of
+    from lun.callbacks.measure import batch_size_of
 
     return batch_size_of(batch)
 

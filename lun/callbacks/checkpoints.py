@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lun.atomic_io import atomic_link
-from lun.callbacks.progress import batch_size_of
+from lun.callbacks.measure import batch_size_of
 
 
 def _short(n: int) -> str:

@@ -5,7 +5,7 @@ import time
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lun.callbacks.progress import batch_size_of, peak_memory_bytes, reset_peak_memory
+from lun.callbacks.measure import batch_size_of, peak_memory_bytes, reset_peak_memory
 from lun.callbacks.throughput import Throughput
 
 

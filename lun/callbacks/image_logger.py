@@ -11,7 +11,7 @@ from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 
 from lun.callbacks.ema import ema_weights
-from lun.callbacks.progress import batch_size_of
+from lun.callbacks.measure import batch_size_of
 from lun.images import make_grid
 
 

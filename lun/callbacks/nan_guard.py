@@ -6,7 +6,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lun.callbacks.progress import batch_size_of
+from lun.callbacks.measure import batch_size_of
 
 
 class NonFiniteLossError(RuntimeError):

@@ -7,42 +7,13 @@ one full line every `log_every_n_steps` optimizer steps instead of a stream of c
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from lightning.pytorch.callbacks.progress.progress_bar import ProgressBar
 
-
-def batch_size_of(batch) -> int:
-    """Number of samples in a batch dict (`image`, `latent`, else the first tensor or list)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, Mapping):
-        for key in ("image", "latent"):
-            if isinstance(batch.get(key), torch.Tensor):
-                return batch[key].shape[0]
-        values = list(batch.values())
-    else:
-        values = list(batch) if isinstance(batch, Sequence) else []
-    for value in values:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.shape[0]
-    for value in values:
-        if isinstance(value, Sequence) and not isinstance(value, str):
-            return len(value)
-    raise ValueError(f"cannot tell the batch size of a {type(batch).__name__}")
-
-
-def peak_memory_bytes(device: torch.device) -> int | None:
-    """Peak memory allocated on an accelerator since the last reset; None on CPU."""
-    if device.type == "cpu":
-        return None
-    return torch.accelerator.max_memory_allocated(device)
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.reset_peak_memory_stats(device)
+from lun.callbacks.measure import batch_size_of, peak_memory_bytes
+from lun.callbacks.throughput import Throughput
 
 
 def format_duration(seconds: float) -> str:
@@ -233,8 +204,6 @@ class SmoothedProgressBar(ProgressBar):
 
     @staticmethod
     def _throughput_figures(trainer):
-        from lun.callbacks.throughput import Throughput  # it imports this module
-
         for callback in trainer.callbacks:
             if isinstance(callback, Throughput):
                 return callback.latest

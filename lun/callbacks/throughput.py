@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from lun.callbacks.progress import batch_size_of, peak_memory_bytes
+from lun.callbacks.measure import batch_size_of, peak_memory_bytes
 
 # Dense peak TFLOP/s per device (without 2:4 sparsity, which datasheets mark with *), tensor
 # cores with fp32 accumulation, as PyTorch runs them. Sources: NVIDIA A100 datasheet (2021);

@@ -31,7 +31,6 @@ PLACED = re.compile(r"^- `([\w/]+\.py)`", re.MULTILINE)
 # grow or appear. A group that is gone can be deleted here.
 KNOWN_CIRCLES = [
     {"lun.config", "lun.legacy"},
-    {"lun.callbacks.progress", "lun.callbacks.throughput"},
     {
         "lun.data.datamodule",
         "lun.data.dataset_report",

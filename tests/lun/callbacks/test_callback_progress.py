@@ -5,12 +5,8 @@ import pytest
 import torch
 
 from lun.callbacks.epoch_stats import EpochStats
-from lun.callbacks.progress import (
-    SmoothedProgressBar,
-    SmoothedValue,
-    batch_size_of,
-    format_duration,
-)
+from lun.callbacks.measure import batch_size_of
+from lun.callbacks.progress import SmoothedProgressBar, SmoothedValue, format_duration
 
 
 class LossRecorder(pl.Callback):
