@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from lun.memory import DEVICE, HOST, GiB, MemoryPlan, MemoryPlanError, Part, _gib
+from lun.memory_parts import DEVICE, HOST, GiB, MemoryPlan, MemoryPlanError, Part, _gib
 
 ORDER = ("none", "fp8", "int8", "nf4")  # the cheapest in precision first
 NF4_BLOCK, DQ_BLOCK = 64, 256

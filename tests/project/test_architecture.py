@@ -37,7 +37,6 @@ KNOWN_CIRCLES = [
         "lun.data.dataset_report_sd3",
         "lun.trainer",
     },
-    {"lun.memory", "lun.memory_quant"},
     {
         "bench_backbone",
         "benchmark",
