@@ -10,11 +10,10 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lun.errors import ConfigError
+from lun.errors import first_line as _first_line
+
 logger = logging.getLogger("lun.config")
-
-
-class ConfigError(ValueError):
-    """A mistake in the user's config: the message is one line naming the key or file."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -170,10 +169,6 @@ def _key_paths(node, name: str, prefix: str = "") -> Iterator[str]:
 def to_container(cfg: DictConfig) -> dict:
     """A plain dict with interpolations resolved (what the objects are built from)."""
     return OmegaConf.to_container(cfg, resolve=True)
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).strip().splitlines()[0]
 
 
 # The Lightning-1 / launcher translations moved to lun.legacy; their old import path still works.

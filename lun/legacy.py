@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lun.config import ConfigError, _first_line
+from lun.errors import ConfigError
+from lun.errors import first_line as _first_line
 
 logger = logging.getLogger("lun.config")  # the name the translations' notices always had
 
