@@ -181,3 +181,17 @@ def __getattr__(name: str):
 
         return getattr(legacy, name)
     raise AttributeError(f"module 'lun.config' has no attribute {name!r}")
+
+
+def config_nodes(model_config):
+    """(dotted key, dict) of every mapping in the model config, depth first in file order."""
+    stack = [("model", model_config)]
+    while stack:
+        key, node = stack.pop()
+        if isinstance(node, list):
+            stack += [(f"{key}.{i}", v) for i, v in reversed(list(enumerate(node)))]
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack += [(f"{key}.{k}", v) for k, v in reversed(list(node.items())) if k != "target"]
+        yield key, node

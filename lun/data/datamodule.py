@@ -211,7 +211,7 @@ class DataModule(L.LightningDataModule):
         for split in splits.get(stage, ()):
             if self.configs[split] is not None and split not in self.datasets:
                 self.datasets[split] = instantiate_from_config(self.configs[split])
-                from lun.data.dataset_report import log_counts  # the report's counts, one a line
+                from lun.data.counts import log_counts  # the report's counts, one a line
 
                 log_counts(f"data.{split}", self.datasets[split])
                 if split == "train" and self.cache:

@@ -31,9 +31,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from lun.config import config_nodes
+from lun.data.counts import count_lines
 from lun.data.dataset_report_sd3 import sd3_encoders
-
-logger = logging.getLogger("lun.data")
 
 TOP_WORDS = 30  # most common tags / words listed
 SLOWEST = 10  # slowest decodes listed
@@ -44,23 +44,6 @@ SIXTEEN_BIT = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 
 
 # ------------------------------------------------------------------------------------- counts
-
-
-def count_lines(name: str, counts: dict) -> list[str]:
-    """One line per count of a dataset's `counts` (lun.data.local.Local): found, each drop
-    reason, indexed, usable, each problem of a kept item."""
-    lines = [f"{name}: found {counts['found']}"]
-    lines += [f"{name}: dropped {n} {reason}" for reason, n in counts["dropped"].items()]
-    lines += [f"{name}: indexed {counts['indexed']}, usable {counts.get('usable', 0)}"]
-    lines += [f"{name}: kept {n} with {problem}" for problem, n in counts["noted"].items()]
-    return lines
-
-
-def log_counts(name: str, dataset) -> None:
-    """The counts at the start of a training run (called where the DataModule builds a split)."""
-    counts = getattr(dataset, "counts", None)
-    for line in count_lines(name, counts) if counts is not None else ():
-        logger.info(line)
 
 
 def _counts(dataset) -> dict | None:
@@ -81,18 +64,7 @@ def _counts(dataset) -> dict | None:
 # ----------------------------------------------------------------------------------- captions
 
 
-def config_nodes(model_config):
-    """(dotted key, dict) of every mapping in the model config, depth first in file order."""
-    stack = [("model", model_config)]
-    while stack:
-        key, node = stack.pop()
-        if isinstance(node, list):
-            stack += [(f"{key}.{i}", v) for i, v in reversed(list(enumerate(node)))]
-            continue
-        if not isinstance(node, dict):
-            continue
-        stack += [(f"{key}.{k}", v) for k, v in reversed(list(node.items())) if k != "target"]
-        yield key, node
+
 
 
 def text_encoders(model_config) -> list[dict]:

@@ -22,7 +22,7 @@ CLIP_MAX_LENGTH = 77
 def sd3_encoders(model_config) -> list[dict]:
     """{name, tokenizer, error, max_length, unescape} of every T5 text encoder the model config
     names, and of SD3Conditioner's CLIPs, as `dataset_report.text_encoders` lists CLIP's."""
-    from lun.data.dataset_report import config_nodes
+    from lun.config import config_nodes
 
     found = []
     for key, node in config_nodes(model_config):

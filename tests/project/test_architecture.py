@@ -31,12 +31,6 @@ PLACED = re.compile(r"^- `([\w/]+\.py)`", re.MULTILINE)
 # grow or appear. A group that is gone can be deleted here.
 KNOWN_CIRCLES = [
     {
-        "lun.data.datamodule",
-        "lun.data.dataset_report",
-        "lun.data.dataset_report_sd3",
-        "lun.trainer",
-    },
-    {
         "bench_backbone",
         "benchmark",
         "benchmark_cache",
