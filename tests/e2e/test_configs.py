@@ -73,7 +73,15 @@ PRESETS_LAUNCHED_ELSEWHERE = {
         "test_two_process_fsdp_trains_as_ddp",
     ),
 }
-CONFIG_PARAMS = [p for p in CONFIGS if config_id(p) not in PRESETS_LAUNCHED_ELSEWHERE]
+# The demo's overlays go on configs/demo/shapes.yaml, not on the tiny config: that test file
+# trains each through main.py on the shapes (its `OVERLAYS`) and scores it.
+DEMO_OVERLAYS_TRAINED_BY = "tests/e2e/test_demo_flow.py"
+DEMO_OVERLAYS = {"demo/shapes-flow.yaml", "demo/shapes-mmdit.yaml"}
+CONFIG_PARAMS = [
+    p
+    for p in CONFIGS
+    if config_id(p) not in PRESETS_LAUNCHED_ELSEWHERE and config_id(p) not in DEMO_OVERLAYS
+]
 # A backbone wider than this is "Stable Diffusion size" and is shrunk (the shipped small ones: 32).
 TINY_WIDTH = 32
 
@@ -105,6 +113,19 @@ def test_presets_left_out_here_are_launched_by_the_test_named():
         text = "\n".join(source.splitlines()[first - 1 : test.end_lineno])
         launches = "run_main(" in source or '"main.py"' in source
         assert f'"{Path(preset).stem}' in text and launches, (preset, test_file, test_name)
+
+
+def test_demo_overlays_left_out_here_are_trained_by_the_demo_test():
+    source = (ROOT / DEMO_OVERLAYS_TRAINED_BY).read_text()
+    (overlays,) = [
+        node.value
+        for node in ast.parse(source).body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "OVERLAYS"
+    ]
+    trained = {f"demo/{name}" for name in ast.literal_eval(overlays)}
+    assert DEMO_OVERLAYS <= trained and "train_demo(" in source, trained
+    on_disk = {config_id(p) for p in CONFIGS if p.parent.name == "demo" and p.name != "shapes.yaml"}
+    assert on_disk == DEMO_OVERLAYS  # a new demo overlay is trained somewhere: add it there
 
 
 # --- tiny overrides, from the parts a config names -----------------------------------------------
