@@ -44,7 +44,7 @@ import psutil
 import torch
 
 from lun import strategies
-from lun.memory_parts import (  # noqa: F401 (the plan's names, importable from here too)
+from lun.memory_parts import (
     ACTIVATIONS,
     CHECKPOINT_READ,
     CHECKPOINT_SAVE,
@@ -52,13 +52,11 @@ from lun.memory_parts import (  # noqa: F401 (the plan's names, importable from 
     EMA_STAGING,
     GRADIENTS,
     HOST,
-    TIGHT,
     GiB,
     MemoryPlan,
     MemoryPlanError,
     Part,
     _gib,
-    _option,
 )
 from lun.memory_probe import measure_activations, probe_batch
 from lun.strategies import Sharding

@@ -81,3 +81,23 @@ def train_demo(tmp: Path, *configs: Path) -> Path:
     assert result.returncode == 0, result.stderr[-3000:]
     (run,) = list(logs.iterdir())
     return run
+
+
+def record_demo_commands(monkeypatch, run_folder: Path) -> list[tuple]:
+    """`scripts/demo.py`'s commands recorded instead of run (the list fills as `demo.main` goes):
+    txt2img's grid is a blank PNG, the training run's folder is `run_folder`."""
+    import demo
+    from PIL import Image
+
+    calls = []
+
+    def fake_run(*args, capture_run_folder=False):
+        calls.append(args)
+        if args[0] == "scripts/txt2img.py":
+            outdir = Path(args[args.index("--outdir") + 1])
+            outdir.mkdir(parents=True)
+            Image.new("RGB", (20, 38)).save(outdir / "grid-0000.png")
+        return str(run_folder) if capture_run_folder else ""
+
+    monkeypatch.setattr(demo, "run", fake_run)
+    return calls

@@ -10,7 +10,7 @@ from eval_shapes import Reading, Scores, analyze
 from eval_shapes import main as eval_main
 from make_shapes import SHAPE_COLORS, SHAPES, make_shapes
 from PIL import Image
-from run_helpers import train_demo
+from run_helpers import record_demo_commands, train_demo
 
 
 @pytest.mark.parametrize("size", [16, 32])
@@ -74,18 +74,8 @@ def test_eval_scores_every_colour_and_shape(demo_run, capsys):
 def test_demo_makes_data_trains_draws_and_scores(tmp_path, monkeypatch, capsys):
     import demo
 
-    calls = []
     run_folder = tmp_path / "logs" / "run"
-
-    def fake_run(*args, capture_run_folder=False):
-        calls.append(args)
-        if args[0] == "scripts/txt2img.py":
-            outdir = Path(args[args.index("--outdir") + 1])
-            outdir.mkdir(parents=True)
-            Image.new("RGB", (20, 38)).save(outdir / "grid-0000.png")
-        return str(run_folder) if capture_run_folder else ""
-
-    monkeypatch.setattr(demo, "run", fake_run)
+    calls = record_demo_commands(monkeypatch, run_folder)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test; --threads wins
     run_folder.mkdir(parents=True)
     data = tmp_path / "shapes"

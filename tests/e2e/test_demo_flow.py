@@ -12,7 +12,7 @@ import pytest
 import torch
 from eval_shapes import main as eval_main
 from make_shapes import SHAPE_COLORS, SHAPES
-from run_helpers import ROOT, train_demo
+from run_helpers import ROOT, record_demo_commands, train_demo
 
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
@@ -128,21 +128,9 @@ def test_flow_demo_configs_train_and_are_scored(flow_demo_run, capsys):
 def test_demo_script_trains_the_overlay_and_draws_a_flow_model_with_euler(tmp_path, monkeypatch):
     import demo
 
-    calls = []
     run_folder = tmp_path / "logs" / "run"
     run_folder.mkdir(parents=True)
-
-    def fake_run(*args, capture_run_folder=False):
-        calls.append(args)
-        if args[0] == "scripts/txt2img.py":
-            outdir = Path(args[args.index("--outdir") + 1])
-            outdir.mkdir(parents=True)
-            from PIL import Image
-
-            Image.new("RGB", (20, 38)).save(outdir / "grid-0000.png")
-        return str(run_folder) if capture_run_folder else ""
-
-    monkeypatch.setattr(demo, "run", fake_run)
+    calls = record_demo_commands(monkeypatch, run_folder)
     (tmp_path / "shapes" / "images").mkdir(parents=True)  # no data set to make
     overlay = "configs/demo/shapes-flow.yaml"
     demo.main(["--data", str(tmp_path / "shapes"), "--config", overlay, "--threads", "1"])
