@@ -1,6 +1,9 @@
 import math
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
@@ -14,6 +17,8 @@ from lun.atomic_io import AtomicCheckpointIO
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.ema import EMA, ema_weights
 from lun.memory_probe import peak_allocated
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def reference_decay(warmup: str, decay: float, n: int) -> float:
@@ -192,34 +197,50 @@ def test_bad_settings_are_refused():
         EMA(update_every=0)
 
 
-class SaveShadows(pl.Callback):
-    def __init__(self, folder):
-        self.folder = folder
+DDP_SCRIPT = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from callback_testing import RandomImages, TinyDiffusion
+from lun.callbacks.checkpoints import Checkpoint
+from lun.callbacks.ema import EMA
 
+class SaveShadows(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         ema = next(c for c in trainer.callbacks if isinstance(c, EMA))
-        torch.save(ema.shadows, os.path.join(self.folder, f"rank{trainer.global_rank}.pt"))
+        torch.save(ema.shadows, os.path.join(sys.argv[2], f"rank{trainer.global_rank}.pt"))
+
+torch.manual_seed(0)
+module = TinyDiffusion()
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+    enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[2],
+    callbacks=[EMA(decay=0.9), SaveShadows(),
+               Checkpoint(dirpath=os.path.join(sys.argv[2], "ckpt"), every_n_train_steps=3)])
+trainer.fit(module, DataLoader(RandomImages(12), batch_size=2, shuffle=False))
+import torch.distributed
+torch.distributed.destroy_process_group()
+"""
 
 
-@pytest.mark.slow
-def test_ddp_ranks_keep_identical_averages_and_rank0_writes(make_module, make_loader, tmp_path):
-    ckpt_dir = tmp_path / "ckpt"
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_fork",
-        max_steps=3,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[
-            EMA(decay=0.9),
-            SaveShadows(str(tmp_path)),
-            Checkpoint(dirpath=str(ckpt_dir), every_n_train_steps=3),
-        ],
-        default_root_dir=str(tmp_path),
+@pytest.mark.slow  # two processes (~15 s): the ranks must agree through a real collective
+def test_ddp_ranks_keep_identical_averages_and_rank0_writes(tmp_path):
+    # Launched as its own job, not forked from pytest: forking a process that has run earlier
+    # tests (their threads, possibly holding locks) hung a CI run here.
+    script = tmp_path / "ddp_ema.py"
+    script.write_text(DDP_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
+        + [str(Path(__file__).parent), str(tmp_path)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
-    trainer.fit(make_module(), make_loader(batches=6))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    ckpt_dir = tmp_path / "ckpt"
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
