@@ -37,6 +37,8 @@ def run(args: list[str]) -> None:
 def train(out: Path, features: Path, args) -> Path:
     key = "lightning.callbacks"
     ev = f"{key}.evaluation.params"
+    logs = out / "logs"
+    earlier = set(logs.iterdir()) if logs.is_dir() else set()  # runs of earlier calls stay
     run(
         [
             "main.py",
@@ -59,11 +61,11 @@ def train(out: Path, features: Path, args) -> Path:
             f"data.params.batch_size={args.batch_size}",
             f"{ev}.cache_dir={out / 'cache'}",
             "-l",
-            str(out / "logs"),
+            str(logs),
             "-t",
         ]
     )
-    (run_dir,) = sorted((out / "logs").iterdir())
+    (run_dir,) = set(logs.iterdir()) - earlier
     return run_dir
 
 
