@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import (
+from bench_common import (
     BATCH,
     DTYPES,
     UNET_PARAMS,
@@ -179,8 +179,6 @@ def lora_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's lora table (its flags apply: --help)
-    import sys
+    from bench_common import run_alone
 
-    from benchmark import main
-
-    main(["--only", "lora", *sys.argv[1:]])
+    run_alone(lora_section)
