@@ -76,6 +76,10 @@ class TrainingContract:
     Defaults fit a module Lightning optimizes (one optimizer step per batch) with no gradient
     checkpointing; a module overrides what differs."""
 
+    # Set by lun before fit (`lun.strategies.casts_parameters`; ldm cannot import lun): whether
+    # the strategy holds the parameters in its own form and dtype (FSDP, DeepSpeed).
+    strategy_casts_parameters: bool = False
+
     @property
     def steps_own_optimizers(self) -> bool:
         """True when `training_step` steps the optimizers itself (Lightning's manual

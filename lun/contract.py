@@ -33,12 +33,16 @@ class TrainableModule(Protocol):
     strategy_problem(strategy, find_unused_parameters, resuming): why the module cannot train
         under `lun.strategies.strategy_kind`'s "ddp" / "deepspeed" / "fsdp" / "model_parallel" /
         "single" (one line naming the key), or None.
+    strategy_casts_parameters: set by lun before fit (`lun.run.check_strategy_fits`, from
+        `lun.strategies.casts_parameters`): the strategy holds the parameters in its own form
+        and dtype (FSDP, DeepSpeed), so the module's training mode leaves their dtype alone.
     """
 
     ema_module: nn.Module
     default_image_size: int
     steps_own_optimizers: bool
     gradient_checkpointing: bool | None
+    strategy_casts_parameters: bool
 
     def log_images(self, batch=None, N: int = 4, **kwargs) -> dict[str, torch.Tensor]: ...
 
