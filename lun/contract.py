@@ -69,10 +69,21 @@ class LatentModel(TrainableModule, Protocol):
     caption_conditioning_frozen: whether a caption's conditioning is fixed (cacheable).
     class_count: the number of classes of a class-conditional model, None for a text model.
     cache_fingerprint(text): what cached latents (and cached text, with `text`) depend on.
+
+    For the scripts that write a part in another tool's layout or time it against that tool's
+    (training never needs them):
+    latent_scaling: (scale, shift) of the latents, diffusers' VAE `scaling_factor` and
+        `shift_factor`.
+    denoiser: the denoising network alone (UNet, DiT, MMDiT).
+    caption_conditioner: the module that turns captions into conditioning, with its text
+        encoders and tokenizers.
     """
 
     class_count: int | None
     caption_conditioning_frozen: bool
+    latent_scaling: tuple[float, float]
+    denoiser: nn.Module
+    caption_conditioner: nn.Module
 
     def first_stage_moments(self, images: torch.Tensor) -> torch.Tensor: ...
 
