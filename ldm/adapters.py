@@ -61,8 +61,10 @@ class TrainingMode:
         the trainable ones of the backbone and of the conditioner, in that order."""
         return [*backbone_params, *text_params]
 
-    def on_fit_start(self, model: nn.Module, trainer) -> None:
-        """Once the trainer is known, before the first step (Lightning's `setup("fit")`)."""
+    def on_fit_start(self, model: nn.Module, trainer, strategy_casts_parameters: bool) -> None:
+        """Once the trainer is known, before the first step (Lightning's `setup("fit")`).
+        `strategy_casts_parameters`: the strategy holds the parameters in its own form and dtype
+        (FSDP, DeepSpeed; what lun's `lun.strategies.casts_parameters` said)."""
 
     def on_save_checkpoint(self, model: nn.Module, ckpt: dict) -> None:
         """Rewrite a Lightning checkpoint as it is saved (its `state_dict`)."""

@@ -452,7 +452,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     # in the training dtype and checkpoints in the original layout) ---------------------------
     def setup(self, stage: str) -> None:
         if stage == "fit":
-            self.training_mode.on_fit_start(self, self.trainer)
+            self.training_mode.on_fit_start(self, self.trainer, self.strategy_casts_parameters)
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
         self.training_mode.on_save_checkpoint(self, ckpt)

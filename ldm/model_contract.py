@@ -76,6 +76,10 @@ class TrainingContract:
     Defaults fit a module Lightning optimizes (one optimizer step per batch) with no gradient
     checkpointing; a module overrides what differs."""
 
+    # Set by lun before fit (`lun.strategies.casts_parameters`; ldm cannot import lun): whether
+    # the strategy holds the parameters in its own form and dtype (FSDP, DeepSpeed).
+    strategy_casts_parameters: bool = False
+
     @property
     def steps_own_optimizers(self) -> bool:
         """True when `training_step` steps the optimizers itself (Lightning's manual
@@ -248,3 +252,27 @@ class LatentModelContract(TrainingContract):
             super().set_gradient_checkpointing(enabled)
             return
         self.backbone.set_gradient_checkpointing(enabled)
+
+    # --- conversion and comparison with other tools -------------------------------------------
+    # The converters write each part in another tool's layout, and a benchmark times one part
+    # against that tool's: they are about the parts. Training (lun) never needs these.
+    @property
+    def latent_scaling(self) -> tuple[float, float]:
+        """(scale, shift) of the first stage's latents, as diffusers' VAE config holds them
+        (`scaling_factor`, `shift_factor`): what a converter writes there. The model applies
+        them in `to_model_latents`."""
+        return float(self.scale_factor), float(self.shift_factor)
+
+    @property
+    def denoiser(self) -> nn.Module:
+        """The denoising network alone (UNet, DiT, MMDiT): what scripts/convert_sd3.py writes as
+        diffusers' transformer (its config read from it) and scripts/benchmark_lora.py times
+        against diffusers' UNet."""
+        return self.backbone
+
+    @property
+    def caption_conditioner(self) -> nn.Module:
+        """The module that turns captions into conditioning, with its text encoders and their
+        tokenizers: what the converters write as diffusers' `text_encoder*` / `tokenizer*`
+        folders (scripts/convert.py, scripts/convert_sd3.py)."""
+        return self.conditioner

@@ -33,12 +33,16 @@ class TrainableModule(Protocol):
     strategy_problem(strategy, find_unused_parameters, resuming): why the module cannot train
         under `lun.strategies.strategy_kind`'s "ddp" / "deepspeed" / "fsdp" / "model_parallel" /
         "single" (one line naming the key), or None.
+    strategy_casts_parameters: set by lun before fit (`lun.run.check_strategy_fits`, from
+        `lun.strategies.casts_parameters`): the strategy holds the parameters in its own form
+        and dtype (FSDP, DeepSpeed), so the module's training mode leaves their dtype alone.
     """
 
     ema_module: nn.Module
     default_image_size: int
     steps_own_optimizers: bool
     gradient_checkpointing: bool | None
+    strategy_casts_parameters: bool
 
     def log_images(self, batch=None, N: int = 4, **kwargs) -> dict[str, torch.Tensor]: ...
 
@@ -65,10 +69,21 @@ class LatentModel(TrainableModule, Protocol):
     caption_conditioning_frozen: whether a caption's conditioning is fixed (cacheable).
     class_count: the number of classes of a class-conditional model, None for a text model.
     cache_fingerprint(text): what cached latents (and cached text, with `text`) depend on.
+
+    For the scripts that write a part in another tool's layout or time it against that tool's
+    (training never needs them):
+    latent_scaling: (scale, shift) of the latents, diffusers' VAE `scaling_factor` and
+        `shift_factor`.
+    denoiser: the denoising network alone (UNet, DiT, MMDiT).
+    caption_conditioner: the module that turns captions into conditioning, with its text
+        encoders and tokenizers.
     """
 
     class_count: int | None
     caption_conditioning_frozen: bool
+    latent_scaling: tuple[float, float]
+    denoiser: nn.Module
+    caption_conditioner: nn.Module
 
     def first_stage_moments(self, images: torch.Tensor) -> torch.Tensor: ...
 

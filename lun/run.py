@@ -252,8 +252,12 @@ def take_held_save_signal() -> bool:
 
 def check_strategy_fits(model: "TrainableModule", strategy, resuming: bool = False) -> None:
     """Before the run folder: a strategy the module cannot train under (the module says which:
-    `strategy_problem`) - its error would come from inside `fit`, after the folder exists."""
-    from lun.strategies import find_unused_parameters, strategy_kind
+    `strategy_problem`) - its error would come from inside `fit`, after the folder exists. The
+    module is told what the strategy does with its parameters (`strategy_casts_parameters`: a
+    plain value, as ldm cannot ask lun.strategies)."""
+    from lun.strategies import casts_parameters, find_unused_parameters, strategy_kind
+
+    model.strategy_casts_parameters = casts_parameters(strategy)
 
     problem = model.strategy_problem(
         strategy_kind(strategy),

@@ -84,7 +84,7 @@ def peak_memory(module_name: str, which: str, device, network) -> dict[str, int]
     first step has allocated the optimizer state (RSS high-water mark on CPU, max allocated on
     CUDA), and the step's part above the memory before it."""
     import torch
-    from benchmark import _proc_status
+    from bench_common import _proc_status
 
     from ldm.optim import build_optimizer
 

@@ -33,7 +33,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from benchmark import BATCH, UNET_PARAMS, alternated_median_seconds  # noqa: E402
+from bench_common import BATCH, UNET_PARAMS, alternated_median_seconds  # noqa: E402
 from benchmark_data import PlainPipeline, make_sources  # noqa: E402
 
 IMAGE = 256  # px (32x32 latents); --image changes it

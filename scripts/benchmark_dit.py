@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from benchmark import DTYPES, LATENT, cpu_has_bf16, synchronize
+from bench_common import DTYPES, LATENT, cpu_has_bf16, synchronize
 
 # DiT rows: (preset, batch, latent side). DiT-B/2 does 4x DiT-S/2's work per token; on a CPU
 # it runs at batch 2 on 16x16 latents (64 tokens, 128 px images) so the section ends in minutes.
@@ -154,8 +154,6 @@ def dit_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's dit table (its flags apply: --help)
-    import sys
+    from bench_common import run_alone
 
-    from benchmark import main
-
-    main(["--only", "dit", *sys.argv[1:]])
+    run_alone(dit_section)

@@ -113,6 +113,6 @@ def flux_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's flux table (its flags apply: --help)
-    from benchmark import main
+    from bench_common import run_alone
 
-    main(["--only", "flux", *sys.argv[1:]])
+    run_alone(flux_section)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmark import (
+from bench_common import (
     BATCH,
     DTYPES,
     UNET_PARAMS,
@@ -48,12 +48,12 @@ def build_lora_unets(device, dtype=None):
     dtype = dtype or torch.float32
     ours, theirs = build_unets(torch.device("cpu"), trained_like=True)
     model = instantiate_from_config(original_config(UNET_PARAMS)["model"])
-    model.backbone.load_state_dict(ours.state_dict())
+    model.denoiser.load_state_dict(ours.state_dict())
     settings = {"rank": LORA_RANK, "alpha": LORA_RANK, "targets": ["attn"], "init": "gaussian"}
     lora.add_adapters(model, lora.parse_settings(settings))
     if dtype != torch.float32:
         lora.hold_frozen_in(model.model, dtype)
-    backbone = model.backbone
+    backbone = model.denoiser
     del model, ours  # the VAE and text encoder go: only the UNets are compared
 
     theirs.requires_grad_(False)
@@ -179,8 +179,6 @@ def lora_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's lora table (its flags apply: --help)
-    import sys
+    from bench_common import run_alone
 
-    from benchmark import main
-
-    main(["--only", "lora", *sys.argv[1:]])
+    run_alone(lora_section)

@@ -102,6 +102,6 @@ def mmdit_section(args, device, network=NETWORK) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's mmdit table (its flags apply: --help)
-    from benchmark import main
+    from bench_common import run_alone
 
-    main(["--only", "mmdit", *sys.argv[1:]])
+    run_alone(mmdit_section)

@@ -223,7 +223,7 @@ def memory_child(which: str, kind: str, device, network: dict) -> None:
     """Its own process: the peak memory of one step of one side (after a step that makes the
     optimizer state), printed as JSON."""
     import torch
-    from benchmark import _proc_status
+    from bench_common import _proc_status
 
     ours, theirs = build(kind, device, network)
     model = ours if which == "ours" else theirs

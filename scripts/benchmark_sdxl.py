@@ -95,6 +95,6 @@ def sdxl_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's sdxl table (its flags apply: --help)
-    from benchmark import main
+    from bench_common import run_alone
 
-    main(["--only", "sdxl", *sys.argv[1:]])
+    run_alone(sdxl_section)

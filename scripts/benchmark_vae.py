@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmark import (
+from bench_common import (
     BATCH,
     DTYPES,
     alternated_median_seconds,
@@ -113,8 +113,6 @@ def vae_section(args, device) -> list[str]:
 
 
 if __name__ == "__main__":  # alone: benchmark.py's vae table (its flags apply: --help)
-    import sys
+    from bench_common import run_alone
 
-    from benchmark import main
-
-    main(["--only", "vae", *sys.argv[1:]])
+    run_alone(vae_section)

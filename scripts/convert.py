@@ -164,14 +164,14 @@ def export_diffusers(state: dict, original: dict, out_dir: Path) -> None:
         )
     params = original["model"]["params"]
     model = instantiate_from_config({**original["model"], "params": {**params, "ckpt_path": None}})
-    encoder = model.conditioner
+    encoder = model.caption_conditioner
     if family.is_sdxl(original["model"]):
         return export_sdxl(state, original, model, out_dir)
     if not hasattr(encoder, "transformer") and not hasattr(encoder, "encode_with_transformer"):
         raise ValueError("--to-diffusers supports the SD 1.x, 2.x and SDXL text encoders")
 
     unet = diffusers_unet(state, original)
-    vae = diffusers_vae(state, original, model.scale_factor)
+    vae = diffusers_vae(state, original, model.latent_scaling[0])
     if hasattr(encoder, "transformer"):  # SD 1.x: OpenAI CLIP
         text_encoder = CLIPTextModel(encoder.transformer.config)
         clip_state = sfu.convert_ldm_clip_checkpoint(state)
@@ -262,7 +262,7 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
     if "network_config" not in params:  # our own names: diffusers' converters read sgm's
         params = {**params, "network_config": params["backbone_config"]}
     sgm = {"model": {**original["model"], "params": params}}
-    clip, open_clip = model.conditioner.embedders[:2]
+    clip, open_clip = model.caption_conditioner.embedders[:2]
     text_encoder = CLIPTextModel(clip.transformer.config)
     clip_state = sfu.convert_ldm_clip_checkpoint(state)
     text_encoder.load_state_dict(to_transformers_clip(clip_state, text_encoder))
@@ -290,7 +290,7 @@ def export_sdxl(state: dict, original: dict, model, out_dir: Path) -> None:
     # `DDIMScheduler.from_config(pipe.scheduler.config)` then samples as our DDIM does.
     scheduler.register_to_config(clip_sample=False, set_alpha_to_one=False)
     pipeline = StableDiffusionXLPipeline(
-        vae=diffusers_vae(state, sgm, model.scale_factor),
+        vae=diffusers_vae(state, sgm, model.latent_scaling[0]),
         text_encoder=text_encoder,
         text_encoder_2=text_encoder_2,
         tokenizer=clip.tokenizer,
@@ -309,7 +309,7 @@ def check_sdxl_exportable(model, original: dict) -> None:
     size (each Fourier-embedded at the same width)."""
     from ldm.conditioning_xl import CAPTION_KEY, SIZE_KEYS
 
-    embedders = model.conditioner.embedders
+    embedders = model.caption_conditioner.embedders
     keys = [e.input_key for e in embedders]
     want = [CAPTION_KEY, CAPTION_KEY, *SIZE_KEYS]
     if keys != want:

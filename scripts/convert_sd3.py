@@ -78,7 +78,7 @@ def export_sd3(state: dict, original: dict, out_dir: Path) -> None:
             {**original["model"], "params": {**params, "ckpt_path": None}}
         )
     components = sd3.to_diffusers(state)
-    conditioner = model.conditioner
+    conditioner = model.caption_conditioner
     clip_l_config = copy.deepcopy(conditioner.clip_l.transformer.config)
     clip_l_config.projection_dim = clip_l_config.hidden_size  # the identity projection
     vae_state = {
@@ -86,11 +86,9 @@ def export_sd3(state: dict, original: dict, out_dir: Path) -> None:
         for k, v in state.items()
         if k.startswith(sd3.FIRST_STAGE)
     }
+    scale, shift = model.latent_scaling
     vae_config = diffusers_vae.diffusers_config(
-        vae_state,
-        model.scale_factor,
-        params["first_stage_config"]["params"]["ddconfig"]["resolution"],
-        getattr(model, "shift_factor", 0.0),
+        vae_state, scale, params["first_stage_config"]["params"]["ddconfig"]["resolution"], shift
     )
     vae_config.pop("_class_name")
     tokenizer_2 = copy.deepcopy(conditioner.clip_g.tokenizer)
@@ -98,7 +96,7 @@ def export_sd3(state: dict, original: dict, out_dir: Path) -> None:
     t5 = conditioner.t5xxl
     pipeline = StableDiffusion3Pipeline(
         transformer=_loaded(
-            SD3Transformer2DModel, transformer_config(model.backbone), components["transformer"]
+            SD3Transformer2DModel, transformer_config(model.denoiser), components["transformer"]
         ),
         vae=_loaded(AutoencoderKL, vae_config, components["vae"]),
         text_encoder=_loaded(

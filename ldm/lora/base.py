@@ -8,15 +8,15 @@ from ldm.lora.settings import BASE_DTYPES, fail
 from ldm.lora.targets import lora_able
 
 
-def hold_base_for_training(model: nn.Module, trainer) -> None:
-    """At fit start: the frozen weights of the backbone in the training dtype (`base_dtype`)."""
-    from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
-
+def hold_base_for_training(
+    model: nn.Module, trainer, strategy_casts_parameters: bool = False
+) -> None:
+    """At fit start: the frozen weights of the backbone in the training dtype (`base_dtype`).
+    `strategy_casts_parameters` (FSDP, DeepSpeed: they flatten / cast the parameters
+    themselves): with `base_dtype: auto` the base is left to the strategy."""
     settings = model.lora_settings
-    if settings.base_dtype == "auto" and isinstance(
-        trainer.strategy, (FSDPStrategy, DeepSpeedStrategy)
-    ):
-        return  # they flatten / cast the parameters themselves
+    if settings.base_dtype == "auto" and strategy_casts_parameters:
+        return
     dtype = training_dtype(trainer.precision, settings.base_dtype)
     quantize_base(model, settings.base_quantization, dtype or torch.float32, trainer)
     if dtype is not None and dtype != torch.float32:

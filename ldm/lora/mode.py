@@ -33,8 +33,8 @@ class LoraMode(TrainingMode):
             return super().parameter_groups(backbone_params, text_params)
         return [{"params": backbone_params}, {"params": text_params, "lr": text.lr}]
 
-    def on_fit_start(self, model: nn.Module, trainer) -> None:
-        hold_base_for_training(model, trainer)
+    def on_fit_start(self, model: nn.Module, trainer, strategy_casts_parameters: bool) -> None:
+        hold_base_for_training(model, trainer, strategy_casts_parameters)
 
     def on_save_checkpoint(self, model: nn.Module, ckpt: dict) -> None:
         save_layout(model, ckpt)

@@ -19,7 +19,7 @@ strategy:
 `build_strategy` turns `lightning.strategy` (a name or `{target, params}`) into a strategy and
 maps Lightning's names and classes for DeepSpeed and FSDP (and the old alias `fsdp_native`) to
 these adapters. This file is what the rest of lun asks of a strategy (`sharding`,
-`strategy_kind`, `shards_weights`, `gathered_parameters`): no other file tests a strategy's
+`strategy_kind`, `casts_parameters`, `shards_weights`, `gathered_parameters`): no other file tests a strategy's
 class. The adapters are `deepspeed.py` and `fsdp.py`; `checkpoint.py` reads what any of them
 wrote; `common.py` is what those share.
 """
@@ -50,6 +50,7 @@ __all__ = [
     "FSDPStrategy",
     "Sharding",
     "build_strategy",
+    "casts_parameters",
     "check_checkpoint",
     "find_unused_parameters",
     "gathered_parameters",
@@ -96,6 +97,18 @@ def sharding(strategy: Strategy | str, world: int, local: int) -> Sharding:
     if isinstance(strategy, LightningFSDPStrategy):
         return FSDPStrategy.sharding(strategy, world, local)
     return Sharding(name="DDP" if world > 1 else "single device")
+
+
+def casts_parameters(strategy: Strategy | str) -> bool:
+    """Whether `strategy` holds the parameters in its own form and dtype (FSDP's flat
+    parameters, DeepSpeed's cast module): a training mode then leaves their dtype alone (LoRA's
+    frozen base, `ldm.adapters.TrainingMode.on_fit_start`). The adapters say it; Lightning's
+    own classes (a subclass named by `target:`) do the same; every other strategy does not."""
+    if isinstance(strategy, LightningDeepSpeedStrategy):
+        return DeepSpeedStrategy.casts_parameters
+    if isinstance(strategy, LightningFSDPStrategy):
+        return FSDPStrategy.casts_parameters
+    return False
 
 
 def strategy_kind(strategy: Strategy | str) -> str:

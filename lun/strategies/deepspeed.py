@@ -45,6 +45,10 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
         **kwargs: the other `lightning.pytorch.strategies.DeepSpeedStrategy` arguments.
     """
 
+    # Under fp16 / bf16 the engine casts the parameters to that dtype itself (deepspeed's
+    # `_configure_distributed_model`): a training mode leaves their dtype to it.
+    casts_parameters = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         require("deepspeed", "lightning.strategy: DeepSpeed")
         super().__init__(*args, **kwargs)

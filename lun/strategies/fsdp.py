@@ -74,6 +74,10 @@ class FSDPStrategy(LightningFSDPStrategy):
             `FullyShardedDataParallel` keyword arguments.
     """
 
+    # Each unit's parameters become one FlatParameter of one dtype (torch refuses to flatten
+    # mixed dtypes), cast by its own MixedPrecision: a training mode leaves their dtype to it.
+    casts_parameters = True
+
     def __init__(
         self,
         *args: Any,

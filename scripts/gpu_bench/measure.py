@@ -16,7 +16,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
-from benchmark import UNET_PARAMS  # noqa: E402
+from bench_common import UNET_PARAMS  # noqa: E402
 
 # bf16 dense tensor-core peaks (vendor data sheets), matched on the CUDA device name in order.
 BF16_DENSE_PEAKS = (

@@ -33,7 +33,7 @@ def unet_inputs(s: dict, device, channels_last=False, batch=None):
 
 
 def train_step(model, optimizer, batch, dtype) -> None:
-    from benchmark import forward
+    from bench_common import forward
 
     x, t, context, target = batch
     with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
@@ -45,7 +45,7 @@ def train_step(model, optimizer, batch, dtype) -> None:
 
 def flop_per_image(model, s, device) -> int:
     """Forward + backward FLOPs of one image (FlopCounterMode; linear in the batch)."""
-    from benchmark import step_flops
+    from bench_common import step_flops
 
     flops = step_flops(model.to(device), unet_inputs(s, device, batch=1))
     model.cpu()
@@ -95,7 +95,7 @@ def build_ours(s):
 
 def as_diffusers(ours, s):
     """diffusers' UNet2DConditionModel with ours' weights, through diffusers' own converter."""
-    from benchmark import original_config
+    from bench_common import original_config
     from diffusers import UNet2DConditionModel
     from diffusers.loaders.single_file_utils import (
         convert_ldm_unet_checkpoint,

@@ -220,7 +220,7 @@ def rows_demo(args, s, device, emit) -> None:
 
 
 def rows_sampling(args, s, device, emit) -> None:
-    from benchmark import original_config
+    from bench_common import original_config
     from convert import export_diffusers
     from diffusers import DPMSolverMultistepScheduler, StableDiffusionPipeline
 

@@ -1,7 +1,8 @@
-"""scripts/benchmark.py's timing loop: the compared steps take turns and warm-up is not timed."""
+"""The benchmarks' timing loop (scripts/bench_common): the compared steps take turns and warm-up
+is not timed."""
 
 import torch
-from benchmark import alternated_median_seconds, median_seconds
+from bench_common import alternated_median_seconds, median_seconds
 
 
 def test_steps_take_turns_and_warm_up_runs_are_not_timed():

@@ -31,18 +31,6 @@ MODULE_API = {"named_parameters"}  # torch.nn.Module: where a weight sits in the
 
 # A model's parts: lun and the scripts ask the contract instead (lun/contract.py).
 MODEL_INTERNALS = {"first_stage_model", "conditioner", "scale_factor", "shift_factor", "backbone"}
-# Files that still read them, and why (file -> the names it may read).
-ALLOWED_INTERNALS = {
-    # Its --shift-factor option (argparse's `opt.shift_factor`), written into a diffusers config.
-    "scripts/swap_vae.py": {"shift_factor"},
-    # Conversion to diffusers writes each part in diffusers' layout: it is about the parts
-    # (the scale factor goes into the VAE's config, the text encoders into their folders).
-    "scripts/convert.py": {"conditioner", "scale_factor"},
-    # Its SD 3 part: the MMDiT's config, the three text encoders, the VAE's scale and shift.
-    "scripts/convert_sd3.py": {"backbone", "conditioner", "scale_factor", "shift_factor"},
-    # Compares our UNet with diffusers' under LoRA: the backbone is what is measured.
-    "scripts/benchmark_lora.py": {"backbone"},
-}
 DVAE = dict(
     double_z=True, z_channels=4, resolution=32, in_channels=3, out_ch=3, ch=32, ch_mult=[1, 2],
     num_res_blocks=1, attn_resolutions=[], dropout=0.0,
@@ -182,12 +170,29 @@ def test_lun_uses_only_the_contract_of_pl_module():
     assert {"ema_module", "log_images"} <= used
 
 
+def parsed_arguments(tree: ast.AST) -> set[str]:
+    """Names bound to `parser.parse_args(...)`: an option (`--shift-factor`) is no model part."""
+    return {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute)
+        and node.value.func.attr in ("parse_args", "parse_known_args")
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+
+
 def internals_read(source: str) -> set[str]:
     """The model part names `source` reads: `x.first_stage_model`, `getattr(x, "backbone")`."""
     found = set()
-    for node in ast.walk(ast.parse(source)):
+    tree = ast.parse(source)
+    options = parsed_arguments(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in MODEL_INTERNALS:
-            found.add(node.attr)
+            if not (isinstance(node.value, ast.Name) and node.value.id in options):
+                found.add(node.attr)
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Name)
@@ -205,14 +210,22 @@ def test_internals_read_sees_attributes_and_getattr():
     assert internals_read(source) == {"first_stage_model", "backbone"}
 
 
+def test_internals_read_leaves_parsed_options_alone():
+    """`--shift-factor` (scripts/swap_vae.py) is an option; the same name on a model is a read."""
+    source = "opt = parser.parse_args(argv)\nf(opt.shift_factor)\n"
+    assert internals_read(source) == set()
+    assert internals_read(source + "model.shift_factor\n") == {"shift_factor"}
+
+
 def test_lun_and_scripts_read_no_model_part():
     """lun and the scripts reach a model through lun.contract only: no file reads a part by name
-    (beyond the allow-list above, each with its reason)."""
+    (the converters and benchmarks, which are about the parts, ask the contract's
+    `latent_scaling`, `denoiser`, `caption_conditioner`)."""
     reads = {}
     for folder in ("lun", "scripts"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             name = path.relative_to(ROOT).as_posix()
-            found = internals_read(path.read_text()) - ALLOWED_INTERNALS.get(name, set())
+            found = internals_read(path.read_text())
             if found:
                 reads[name] = sorted(found)
     assert reads == {}
@@ -250,6 +263,23 @@ def test_lun_data_imports_no_model_module():
                 if name in models - DATA_MAY_IMPORT:
                     imported.setdefault(path.name, set()).add(name)
     assert imported == {}
+
+
+def test_the_parts_converters_write(tiny):
+    """SD 1.x's VAE: scaling_factor 0.18215, no shift (diffusers' config of
+    runwayml/stable-diffusion-v1-5's vae); the tiny model's denoiser is its UNet, its caption
+    conditioner the CLIP text encoder."""
+    from ldm.text_encoder import FrozenCLIPEmbedder
+    from ldm.unet import UNetModel
+
+    assert tiny.latent_scaling == (0.18215, 0.0)
+    assert isinstance(tiny.denoiser, UNetModel)
+    assert isinstance(tiny.caption_conditioner, FrozenCLIPEmbedder)
+    tiny.shift_factor = 0.0609
+    try:
+        assert tiny.latent_scaling == (0.18215, 0.0609)
+    finally:
+        tiny.shift_factor = 0.0
 
 
 def test_latent_shape_names_the_size_multiple(tiny):

@@ -365,3 +365,38 @@ def test_strategy_kind_names_each_engine_by_lightnings_classes():
     assert find_unused_parameters(DDPStrategy(find_unused_parameters=True))
     assert not find_unused_parameters(DDPStrategy())
     assert not find_unused_parameters(FSDPStrategy())
+
+
+# DeepSpeed's engine casts the module's parameters to its fp16 / bf16 itself, and FSDP flattens
+# each unit's parameters into one FlatParameter of one dtype (torch: "Must flatten tensors with
+# uniform dtype"), cast by its MixedPrecision; DDP and one device keep the module as it is.
+CASTS_PARAMETERS = {"fsdp": True, "deepspeed_stage_2": True, "ddp": False}
+
+
+@pytest.mark.parametrize("name", sorted(CASTS_PARAMETERS))
+def test_a_lora_base_is_left_to_a_strategy_that_casts_parameters(tiny_config, name):
+    """From the strategy through lun (`check_strategy_fits`, before fit) to the module's training
+    mode at fit start: under bf16-mixed a LoRA run holds its frozen base in bf16, unless the
+    strategy casts the parameters itself (`base_dtype: auto`)."""
+    from lightning.pytorch import Trainer
+    from lora_helpers import build
+
+    from ldm import lora
+    from lun.run import check_strategy_fits
+
+    if name.startswith("deepspeed") and not importlib.util.find_spec("deepspeed"):
+        pytest.skip("deepspeed is not installed")
+    model = build(tiny_config, "{rank: 2}")
+    strategy = build_strategy(name)
+    check_strategy_fits(model, strategy)
+    assert lun.strategies.casts_parameters(strategy) is CASTS_PARAMETERS[name]
+    model.trainer = Trainer(
+        accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False
+    )
+    model.setup("fit")
+    layer = lora.adapter_layers(model)[
+        "model.diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q"
+    ]
+    expected = torch.float32 if CASTS_PARAMETERS[name] else torch.bfloat16
+    assert layer.base_layer.weight.dtype == expected
+    assert layer.lora_A["default"].weight.dtype == torch.float32  # the adapters train in fp32

@@ -143,6 +143,7 @@ REPO_PATH = re.compile(
 COMMAND = re.compile(r"(?<![\w/])(main\.py|scripts/\w+\.py)\b")
 FLAG = re.compile(r"(?<![\w-])(--[a-zA-Z][\w-]*)")
 IMPORT = re.compile(r"^\s*from ((?:lun|ldm)(?:\.\w+)*) import", re.M)
+SCRIPT_IMPORT = re.compile(r"^from (\w+) import", re.M)  # a sibling at the top: bench_common
 
 
 def code_text(page: Path) -> list[str]:
@@ -160,13 +161,16 @@ def code_text(page: Path) -> list[str]:
 
 
 def flag_literals(script: Path) -> set[str]:
-    """The `--flag` string literals of a script and of the lun/ldm modules it imports from:
-    a flag a page shows must be spelled there (argparse takes no flag that is not)."""
+    """The `--flag` string literals of a script and of the lun/ldm modules and the sibling
+    script modules it imports from: a flag a page shows must be spelled there (argparse takes no
+    flag that is not)."""
     sources, flags = [script], set()
     text = script.read_text(encoding="utf-8")
     for module in IMPORT.findall(text):
         path = ROOT / (module.replace(".", "/") + ".py")
         sources.append(path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py")
+    for module in SCRIPT_IMPORT.findall(text):
+        sources += [script.parent / f"{module}.py", script.parent / module / "__init__.py"]
     for source in sources:
         if source.exists():
             flags |= set(re.findall(r"""["'](--[a-zA-Z][\w-]*)["']""", source.read_text("utf-8")))
