@@ -101,3 +101,15 @@ def record_demo_commands(monkeypatch, run_folder: Path) -> list[tuple]:
 
     monkeypatch.setattr(demo, "run", fake_run)
     return calls
+
+
+# Two local processes under torchrun. `--standalone` has the launcher bind a free port itself: a
+# port picked by the test and bound later by torchrun can be taken in between by another job.
+TORCHRUN_TWO = [
+    sys.executable,
+    "-m",
+    "torch.distributed.run",
+    "--standalone",
+    "--nproc-per-node",
+    "2",
+]

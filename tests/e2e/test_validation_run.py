@@ -7,7 +7,6 @@ for a checkpoint and writes nothing into its run folder. Also the script the 2 p
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -79,19 +78,14 @@ def figures_of(shapes_dir, validation_batch: int) -> dict[str, float]:
     return model.validation_loss.last
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_give_the_single_process_figures(shapes_dir, tmp_path):
     """16 items in batches of 6 on 2 ranks: rank 1 repeats batch 0 to match rank 0's count; each
     item still counts once. One process with batches of 4 must agree."""
     out = tmp_path / "ddp.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), __file__, str(shapes_dir), str(out)]
+    from run_helpers import TORCHRUN_TWO  # here: torchrun runs this file as a script
+
+    command = [*TORCHRUN_TWO, __file__, str(shapes_dir), str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-5000:]

@@ -14,7 +14,6 @@ every update. Also the script that the 2 processes run:
 """
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -143,8 +142,9 @@ def two_processes(tmp_path_factory) -> Path:
     starting 2 processes costs more than their 3 steps.
     """
     out = tmp_path_factory.mktemp("two_processes")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), __file__, str(out), *STRATEGIES]
+    from run_helpers import TORCHRUN_TWO  # here: torchrun runs this file as a script
+
+    command = [*TORCHRUN_TWO, __file__, str(out), *STRATEGIES]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-5000:]
     return out
@@ -166,12 +166,6 @@ def test_two_processes_make_the_single_process_steps_and_average(
         assert_close(state["model." + name].float(), value, rtol=1e-4, atol=1e-6)
         assert_close(state[ema_key(name)].double(), expected_ema[name], rtol=1e-4, atol=1e-6)
     assert int(state["model_ema.num_updates"]) == STEPS
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(out: str, *strategy_names: str) -> None:

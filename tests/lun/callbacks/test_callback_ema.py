@@ -2,7 +2,6 @@ import math
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,6 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from callback_testing import SeedEveryStep, TinyDiffusion, WeightRecorder, trainable_weights
+from run_helpers import TORCHRUN_TWO
 from torch import nn
 from torch.testing import assert_close
 
@@ -231,8 +231,7 @@ def test_ddp_ranks_keep_identical_averages_and_rank0_writes(tmp_path):
     script = tmp_path / "ddp_ema.py"
     script.write_text(DDP_SCRIPT)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-        + [str(Path(__file__).parent), str(tmp_path)],
+        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,

@@ -3,9 +3,7 @@ EMA and raw weights, and its config errors before the run folder exists."""
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +12,7 @@ import torch
 from callback_testing import IMAGE_SIZE, TinyDiffusion
 from lightning.pytorch import Callback
 from PIL import Image
-from run_helpers import load_main
+from run_helpers import TORCHRUN_TWO, load_main
 from safetensors.torch import save_file
 
 from lun.callbacks.checkpoints import Checkpoint
@@ -210,12 +208,6 @@ with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow  # two torchrun processes
 def test_two_processes_score_the_single_process_images(tmp_path, eval_files, make_loader, fit):
     """7 images in batches of 2 on 2 ranks (rank 0 draws batches 0 and 2, rank 1 batches 1 and
@@ -239,8 +231,7 @@ def test_two_processes_score_the_single_process_images(tmp_path, eval_files, mak
     ddp.mkdir()
     script = tmp_path / "ddp_evaluation.py"
     script.write_text(DDP_SCRIPT)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    command += ["--master-port", str(free_port()), str(script)]
+    command = [*TORCHRUN_TWO, str(script)]
     here = str(Path(__file__).parent)
     cache = dict(cache_dir=str(tmp_path / "cache-ddp"))
     result = subprocess.run(

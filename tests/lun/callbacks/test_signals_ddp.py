@@ -4,11 +4,11 @@ happen at every step (issue 30: no host-device sync in a default step but loggin
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from run_helpers import TORCHRUN_TWO
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -40,8 +40,7 @@ def test_one_ranks_sigusr1_is_agreed_on_at_the_next_logging_step(tmp_path):
     script = tmp_path / "ddp_signal.py"
     script.write_text(DDP_SCRIPT)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-        + [str(Path(__file__).parent), str(tmp_path / "checkpoints")],
+        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path / "checkpoints")],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,

@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from callback_testing import RandomImages, TinyDiffusion
 from omegaconf import OmegaConf
+from run_helpers import TORCHRUN_TWO
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
@@ -343,8 +343,7 @@ def test_under_ddp_images_are_global_and_the_report_is_printed_once(tmp_path):
     script = tmp_path / "ddp_throughput.py"
     script.write_text(DDP_SCRIPT)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
-        + [str(Path(__file__).parent), str(tmp_path)],
+        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,
