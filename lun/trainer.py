@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from ldm.util import get_obj_from_str, instantiate_from_config
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
+from lun.callbacks.fsdp_clipping import fsdp_clipping
 from lun.callbacks.signals import SignalCheckpoint
 from lun.config import ConfigError, config_errors
 from lun.data.datamodule import DataModule, check_loader_settings, is_count
@@ -387,6 +388,9 @@ def build_trainer(
         )
         kwargs.pop("val_check_interval")
     callbacks = build_callbacks(lightning_cfg, run, has_validation, use_ema)
+    clipping = fsdp_clipping(kwargs)  # Lightning's FSDP plugin refuses clipping by norm
+    if clipping is not None:
+        callbacks.append(clipping)
     logger = build_logger(lightning_cfg, run)
     try:
         return Trainer(
