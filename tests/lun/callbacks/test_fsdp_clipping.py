@@ -3,13 +3,18 @@ clipping by norm, so lun.trainer hands it to `FSDPGradientClipping` (FSDP's own
 `clip_grad_norm_`), which must clip as Lightning's plain clipping (`torch.nn.utils.
 clip_grad_norm_`) does on one device. FSDP runs here in-process on one CPU rank (gloo): no fork."""
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 from lun.callbacks.fsdp_clipping import FSDPGradientClipping, fsdp_clipping
-from lun.trainer import trainer_kwargs
+from lun.config import merge_configs
+from lun.run import RunDir
+from lun.trainer import build_trainer, trainer_kwargs
 
 FSDP = {"target": "lun.strategies.FSDPStrategy"}
 MAX_NORM = 0.5
@@ -84,3 +89,17 @@ def test_only_fsdp_with_norm_clipping_moves_the_value(lightning):
 def test_a_bad_value_is_one_line_naming_the_key():
     with pytest.raises(ValueError, match=r"^lightning.trainer.gradient_clip_val=-1.0: expected"):
         FSDPGradientClipping(-1.0)
+
+
+def test_the_shipped_fsdp_preset_on_a_clipping_config_builds_a_clipping_trainer(tmp_path):
+    # configs/lightning/fsdp.yaml's own example: merged after v1-finetune.yaml (clip 1.0).
+    configs = Path(__file__).resolve().parents[3] / "configs"
+    cfg = merge_configs(
+        [configs / "stable-diffusion/v1-finetune.yaml", configs / "lightning/fsdp.yaml"],
+        ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=1"],
+    )
+    lightning = OmegaConf.to_container(cfg, resolve=True)["lightning"]
+    trainer = build_trainer(lightning, RunDir(tmp_path), has_validation=False)
+    assert trainer.gradient_clip_val is None  # Lightning's FSDP plugin would refuse it
+    (clipping,) = [c for c in trainer.callbacks if isinstance(c, FSDPGradientClipping)]
+    assert clipping.max_norm == 1.0
