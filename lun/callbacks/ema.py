@@ -126,10 +126,7 @@ class EMA(Callback):
         shadows: str = "host",
     ):
         if shadows not in PLACES:
-            raise ValueError(
-                f"lightning.callbacks.ema.params.shadows={shadows!r}: expected one of "
-                f"{', '.join(PLACES)}"
-            )
+            raise ValueError(f"shadows={shadows!r}: expected one of {', '.join(PLACES)}")
         warmup = warmup or "none"
         if warmup not in WARMUPS:
             raise ValueError(f"EMA warmup must be one of {', '.join(WARMUPS)}, got '{warmup}'")

@@ -17,6 +17,8 @@ import torch
 from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch.callbacks import Callback
 
+from lun.errors import ConfigError
+
 KEY = "lightning.trainer.gradient_clip_val"
 
 
@@ -41,7 +43,7 @@ class FSDPGradientClipping(Callback):
 
     def __init__(self, max_norm: float):
         if not max_norm > 0:
-            raise ValueError(f"{KEY}={max_norm!r}: expected a number > 0")
+            raise ConfigError(f"{KEY}={max_norm!r}: expected a number > 0 (or null: no clipping)")
         self.max_norm = max_norm
 
     def setup(self, trainer, pl_module, stage: str) -> None:

@@ -8,13 +8,17 @@ import torch
 
 from lun import strategies
 from lun.callbacks.ema import EMA
+from lun.config import ConfigError
 from lun.memory import _ema_parts, _precision, place_ema
 from lun.memory_parts import ACTIVATIONS, DEVICE, EMA_STAGING, HOST, GiB, MemoryPlan, Part
+from lun.run import RunDir
+from lun.trainer import build_callbacks
 
 
-def test_a_bad_place_is_one_line_naming_the_key():
-    with pytest.raises(ValueError) as err:
-        EMA(shadows="gpu")
+def test_a_bad_place_is_one_line_naming_the_key(tmp_path):
+    lightning = {"callbacks": {"ema": {"params": {"shadows": "gpu"}}}}
+    with pytest.raises(ConfigError) as err:
+        build_callbacks(lightning, RunDir(tmp_path), has_validation=False, use_ema=True)
     assert str(err.value) == (
         "lightning.callbacks.ema.params.shadows='gpu': expected one of host, device, auto"
     )

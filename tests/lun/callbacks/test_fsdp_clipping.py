@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
 from lun.callbacks.fsdp_clipping import FSDPGradientClipping, fsdp_clipping
-from lun.config import merge_configs
+from lun.config import ConfigError, merge_configs
 from lun.run import RunDir
 from lun.trainer import build_trainer, trainer_kwargs
 
@@ -87,8 +87,12 @@ def test_only_fsdp_with_norm_clipping_moves_the_value(lightning):
 
 
 def test_a_bad_value_is_one_line_naming_the_key():
-    with pytest.raises(ValueError, match=r"^lightning.trainer.gradient_clip_val=-1.0: expected"):
-        FSDPGradientClipping(-1.0)
+    kwargs = trainer_kwargs({"strategy": FSDP, "trainer": {"gradient_clip_val": -1.0}})
+    with pytest.raises(ConfigError) as err:
+        fsdp_clipping(kwargs)
+    assert str(err.value) == (
+        "lightning.trainer.gradient_clip_val=-1.0: expected a number > 0 (or null: no clipping)"
+    )
 
 
 def test_the_shipped_fsdp_preset_on_a_clipping_config_builds_a_clipping_trainer(tmp_path):
