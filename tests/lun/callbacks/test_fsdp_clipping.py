@@ -11,10 +11,9 @@ import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
 
-from lun.callbacks.fsdp_clipping import FSDPGradientClipping, fsdp_clipping
 from lun.config import ConfigError, merge_configs
 from lun.run import RunDir
-from lun.trainer import build_trainer, trainer_kwargs
+from lun.trainer import FSDPGradientClipping, build_trainer, fsdp_clipping, trainer_kwargs
 
 FSDP = {"target": "lun.strategies.FSDPStrategy"}
 MAX_NORM = 0.5
