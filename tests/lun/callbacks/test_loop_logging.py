@@ -7,6 +7,7 @@ import csv
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -28,9 +29,10 @@ class StepLosses(pl.Callback):
         self.losses[trainer.global_step] = float(outputs["loss"])
 
 
-def fit_tiny(tmp_path, steps: int, every: int, callbacks=()):
-    """The tiny LDM on cached latents; returns (trainer, steps whose train/loss was logged,
-    each step's loss)."""
+def fit_tiny(tmp_path, steps: int, every: int, callbacks=(), by_epochs: bool = False):
+    """The tiny LDM on cached latents (`steps` batches of 2: one epoch); returns (trainer, steps
+    whose train/loss was logged, each step's loss). `by_epochs`: ends by max_epochs=1, not
+    max_steps."""
     torch.manual_seed(0)
     model = instantiate_from_config(OmegaConf.load(TINY)["model"])
     model.learning_rate = 1e-3
@@ -44,10 +46,10 @@ def fit_tiny(tmp_path, steps: int, every: int, callbacks=()):
 
     model.log = counted_log
     items = [{"latent": torch.randn(4, 8, 8), "caption": f"shape {i}"} for i in range(2 * steps)]
+    end = {"max_epochs": 1} if by_epochs else {"max_steps": steps}
     losses = StepLosses()
     trainer = pl.Trainer(
         accelerator="cpu",
-        max_steps=steps,
         log_every_n_steps=every,
         logger=CSVLogger(tmp_path, name="csv"),
         callbacks=[losses, *callbacks],
@@ -55,13 +57,22 @@ def fit_tiny(tmp_path, steps: int, every: int, callbacks=()):
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
+        **end,
     )
-    trainer.fit(model, DataLoader(items, batch_size=2))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only fight over a shared machine
+    try:
+        trainer.fit(model, DataLoader(items, batch_size=2))
+    finally:
+        torch.set_num_threads(threads)
     return trainer, logged_at, losses.losses
 
 
-def test_the_loss_is_logged_on_logging_steps_and_the_last_with_each_steps_value(tmp_path):
-    trainer, logged_at, losses = fit_tiny(tmp_path, steps=7, every=3)
+@pytest.mark.parametrize("by_epochs", [False, True])
+def test_the_loss_is_logged_on_logging_steps_and_the_last_with_each_steps_value(
+    tmp_path, by_epochs
+):
+    trainer, logged_at, losses = fit_tiny(tmp_path, steps=7, every=3, by_epochs=by_epochs)
     # Lightning writes logs when (step + 1) % every == 0 (0-based): steps 3 and 6 (1-based).
     assert logged_at == [3, 6, 7]
     with open(Path(trainer.logger.log_dir) / "metrics.csv") as file:
