@@ -446,6 +446,10 @@ class EMA(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
             self._check_strategy(trainer)
+            if self.place == "auto":
+                # Only rank 0 makes the memory plan (main.py): every rank takes its choice, so
+                # all keep their shadows in the same place (none planned: host RAM).
+                self.on_device = bool(trainer.strategy.broadcast(self.on_device, src=0))
             if self.async_update and self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
 

@@ -81,6 +81,16 @@ def test_auto_on_a_cpu_run_and_fixed_places_are_left_alone():
         assert ema.on_device is on_device and ema_place(made) == HOST  # not the plan's to move
 
 
+@pytest.mark.parametrize("planned, on_device", [(None, False), (True, True), (False, False)])
+def test_auto_takes_rank_0s_plan_and_no_plan_means_host_ram(planned, on_device):
+    ema = EMA(shadows="auto")
+    ema.on_device = planned  # what place_ema decided on rank 0 (None: no plan was made)
+    trainer = pl.Trainer(accelerator="cpu", callbacks=[ema], logger=False)
+    ema.setup(trainer, Linear(), "fit")
+    ema.teardown(trainer, Linear(), "fit")
+    assert ema.on_device is on_device
+
+
 class Linear(pl.LightningModule):
     def __init__(self):
         super().__init__()
