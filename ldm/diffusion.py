@@ -363,8 +363,10 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         batch_size = per_sample.shape[0]
         # Not prog_bar: Lightning turns progress-bar values into numbers after every batch (a
         # host-device sync per step); the progress bar shows its own smoothed loss.
-        self.log("train/loss", per_sample.mean(), batch_size=batch_size)
-        if self._trainer is not None and not self.trainer._logger_connector.should_update_logs:
+        logs = self._trainer is None or self.trainer._logger_connector.should_update_logs
+        if logs or self._loss_needed():
+            self.log("train/loss", per_sample.mean(), batch_size=batch_size)
+        if not logs:
             return loss  # the per-t losses need host reads: only on the steps that log
         bucket = (t * TIMESTEP_BUCKETS // self.num_timesteps).long()  # t is float for flow
         for b in bucket.unique().tolist():
@@ -380,6 +382,21 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
                 batch_size=int((bucket == b).sum()),
             )
         return loss
+
+    def _loss_needed(self) -> bool:
+        """Log `train/loss` on a step that writes no logs? Lightning's `self.log` costs ~1.5 % of
+        a tiny step, so only on the last step (what `trainer.callback_metrics` holds after the
+        fit) and, when a callback or LR scheduler monitors it, on every step (such a reader
+        takes `trainer.callback_metrics` on steps of its own)."""
+        trainer = self.trainer
+        if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        if 0 < max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch:
+            return True
+        monitors = [getattr(callback, "monitor", None) for callback in trainer.callbacks]
+        monitors += [config.monitor for config in trainer.lr_scheduler_configs]
+        return "train/loss" in monitors
 
     def _accumulation_window(self, per_sample: torch.Tensor, t: torch.Tensor, batch_idx: int):
         """Per-sample losses and t of all micro-batches of this optimizer step so far.

@@ -18,7 +18,9 @@ Each part is computed from the built model, optimizer, strategy and callbacks, p
     activations        measured: one forward and backward pass of the largest bucket at the batch
                        size (allocations counted by torch's profiler on the CPU, the allocator's
                        peak on an accelerator), less the gradients it allocates
-    EMA                fp32 shadows and staging buffers in host RAM (lun.callbacks.ema)
+    EMA                fp32 shadows (host RAM, or the device with `shadows: device`, or with
+                       `shadows: auto` when the device's peak with them fits its budget) and
+                       staging buffers in host RAM (lun.callbacks.ema)
     checkpoint save    nothing: the writer streams the tensors that exist (lun.atomic_io); a
                        snapshot of the whole checkpoint with Lightning's AsyncCheckpointIO, the
                        gathered weights and optimizer state with FSDP's full state dict
@@ -249,10 +251,28 @@ def _ema_parts(trainer, model, precision: Precision) -> list[Part]:
     count = sum(p.numel() for p in params)
     staging = sum(p.numel() * _size(precision.weight_dtype(p, True)) for p in params)
     every = f"every {ema.update_every} step" + ("" if ema.update_every == 1 else "s")
+    place = DEVICE if ema.on_device else HOST  # "auto" (None): placed by `place_ema`
     return [
-        Part("EMA", count * 4, HOST, f"fp32 shadows, {every}"),
+        Part("EMA", count * 4, place, f"fp32 shadows, {every}"),
         Part(EMA_STAGING, staging, HOST, "a copy of the weights to average from"),
     ]
+
+
+def place_ema(plan: MemoryPlan, ema) -> None:
+    """`EMA(shadows="auto")`: move the shadows to the device when the device's peak with them
+    stays within its budget (an unknown budget: they stay in host RAM), and tell the EMA."""
+    if ema is None or ema.place != "auto":
+        return
+    part = next(p for p in plan.parts if p.name == "EMA")
+    budget = plan.budget(DEVICE)
+    fits = (
+        DEVICE in plan.places()
+        and budget is not None
+        and plan.peak(DEVICE) + part.nbytes <= budget  # the shadows are in every peak
+    )
+    part.place = DEVICE if fits else HOST
+    part.detail += ", on the device: room under its budget" if fits else ", in host RAM"
+    ema.on_device = fits
 
 
 def _checkpoint_save_part(trainer, weights: int, optimizer: int, ema: int, sharding) -> Part:
@@ -410,6 +430,10 @@ def memory_plan(
         host_budget=host_budget if host_budget is not None else host_memory_budget(),
         device_budget=device_budget if device_budget is not None else device_memory_budget(device),
     )
+    if ema:
+        from lun.callbacks.ema import find_ema
+
+        place_ema(plan, find_ema(trainer))
     plan.options = _options(plan, model, trainer, batch, sharding)
     return plan
 

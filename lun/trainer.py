@@ -15,8 +15,10 @@ import re
 import typing
 from typing import Any
 
+import torch
+from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
@@ -373,6 +375,68 @@ def _build_one_logger(key: str, cfg: dict, run: RunDir):
         return instantiate_from_config({"target": target, "params": params})
 
 
+CLIP_KEY = "lightning.trainer.gradient_clip_val"
+
+
+def fsdp_clipping(kwargs: dict):
+    """For Trainer `kwargs` whose strategy is FSDP and which clip by norm (the default
+    algorithm): take `gradient_clip_val` out of them and return the callback that clips
+    instead; otherwise None (kwargs unchanged)."""
+    from lun.strategies import strategy_kind
+
+    value = kwargs.get("gradient_clip_val")
+    algorithm = kwargs.get("gradient_clip_algorithm") or "norm"
+    if not value or algorithm != "norm" or strategy_kind(kwargs.get("strategy")) != "fsdp":
+        return None
+    kwargs.pop("gradient_clip_val")
+    kwargs.pop("gradient_clip_algorithm", None)
+    return FSDPGradientClipping(float(value))
+
+
+class FSDPGradientClipping(Callback):
+    """Clip the gradient's total norm (all ranks' shards) to `max_norm` before each optimizer
+    step, with FSDP's own `clip_grad_norm_` on the root unit.
+
+    Lightning's FSDP precision plugin refuses clipping by norm ("gradient_clip_algorithm='norm'
+    is currently not supported for FSDPPrecision"): with sharded gradients each rank holds a
+    part of every gradient, so the whole gradient's norm needs the squared norms of all shards
+    summed across ranks - `torch.nn.utils.clip_grad_norm_` on one rank's shards (what the plugin
+    would call) clips by the wrong norm. FSDP's `clip_grad_norm_` on the root unit does it right
+    (torch docs, "Gradient Clipping"), but the plugin has no reference to that root. So
+    `build_trainer` hands an FSDP run's `gradient_clip_val` to this callback instead of the
+    Trainer: after the backward (and the loss scaler's unscale, under 16-mixed) and before the
+    optimizer step, on every rank, it clips: the same result as `gradient_clip_val` under DDP.
+    """
+
+    def __init__(self, max_norm: float):
+        if not max_norm > 0:
+            raise ConfigError(
+                f"{CLIP_KEY}={max_norm!r}: expected a number > 0 (or null: no clipping)"
+            )
+        self.max_norm = max_norm
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage == "fit" and not pl_module.automatic_optimization:
+            raise ValueError(
+                f"{CLIP_KEY}: {type(pl_module).__name__} steps its own optimizers (manual "
+                "optimization), which Lightning does not clip; remove gradient_clip_val"
+            )
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        roots = FullyShardedDataParallel.fsdp_modules(trainer.strategy.model, root_only=True)
+        if len(roots) != 1:
+            raise RuntimeError(f"{CLIP_KEY}: expected one FSDP root unit, found {len(roots)}")
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None and _optimizer_handles_unscaling(optimizer):
+            # Lightning leaves the unscale to such an optimizer's step: unscale here, to clip
+            # true gradients (the scaler then steps it without unscaling again).
+            scaler.unscale_(optimizer)
+        with torch.no_grad():
+            roots[0].clip_grad_norm_(self.max_norm)
+
+
 def build_trainer(
     lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool = False
 ) -> Trainer:
@@ -387,6 +451,9 @@ def build_trainer(
         )
         kwargs.pop("val_check_interval")
     callbacks = build_callbacks(lightning_cfg, run, has_validation, use_ema)
+    clipping = fsdp_clipping(kwargs)  # Lightning's FSDP plugin refuses clipping by norm
+    if clipping is not None:
+        callbacks.append(clipping)
     logger = build_logger(lightning_cfg, run)
     try:
         return Trainer(

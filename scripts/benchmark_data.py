@@ -3,6 +3,7 @@
     python scripts/benchmark_data.py                       # 512 and 1024 px JPEG sources -> 512
     python scripts/benchmark_data.py --n 64 --workers 0 1  # quicker
     python scripts/benchmark_data.py --demo-steps 0        # skip the training-step measurement
+    python scripts/benchmark_data.py --n 0 --demo-steps 0  # the epoch boundary only
 
 The plain pipeline is what a data loader usually does: PIL open -> convert("RGB") -> resize the
 short side to the target (bicubic) -> center crop -> numpy -> float tensor in [-1, 1]. Ours is
@@ -13,8 +14,13 @@ runs counts, since a shared machine only ever makes a run slower. The rate per w
 core each) says how many workers a GPU needs: `--gpu-rate` images/s (default 80, the SD 1.x UNet
 step alone at 512 px on one H100, issue 30) over the per-worker rate, rounded up.
 
-Last, a few training steps of the demo model (configs/tiny/ldm.yaml on generated shapes) measure
+Then a few training steps of the demo model (configs/tiny/ldm.yaml on generated shapes) measure
 the share of step time spent waiting for data. Prints markdown tables (for the README).
+
+Last, the epoch boundary (`--boundary-epochs`, 0 skips it): a set whose items take a known time
+(a sleep, so a loaded machine does not change it) trained through lun.data.DataModule with 2
+persistent workers by a model whose step takes a known time; the wait before the first batch of
+each later epoch against the median wait of the batches inside an epoch.
 """
 
 from __future__ import annotations
@@ -184,6 +190,78 @@ def demo_table(args, tmp: Path) -> list[str]:
     return rows
 
 
+class TimedItems:  # a map-style dataset, importable by the loader's worker processes
+    """`count` tiny items, each taking `item_s` seconds to load (a sleep: CPU-load independent)."""
+
+    def __init__(self, count: int = 20, item_s: float = 0.01):
+        self.count, self.item_s = count, item_s
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict:
+        import torch
+
+        time.sleep(self.item_s)
+        return {"image": torch.zeros(3, 8, 8), "caption": str(index)}
+
+
+def boundary_table(args) -> list[str]:
+    """Wait before the first batch of an epoch vs a batch inside one (small set, 2 workers)."""
+    import lightning as L
+    import torch
+
+    from lun.data import DataModule
+
+    class TimedStep(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(()))
+            self.waits: list[tuple[int, float]] = []  # (batch index in its epoch, wait)
+            self._end = None
+
+        def on_train_batch_start(self, batch, batch_idx):
+            if self._end is not None:  # the fetch happens between one step's end and the next
+                self.waits.append((batch_idx, time.perf_counter() - self._end))
+
+        def training_step(self, batch, batch_idx):
+            time.sleep(args.step_ms / 1e3)
+            return (self.weight - batch["image"].mean()) ** 2
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            self._end = time.perf_counter()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    batch, items = 4, 20
+    item_s = args.step_ms / 1e3 / batch  # 2 workers load a batch in 2 steps: they keep up
+    train = {"target": "benchmark_data.TimedItems", "params": {"count": items, "item_s": item_s}}
+    model = TimedStep()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=args.boundary_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model, datamodule=DataModule(train, batch_size=batch, num_workers=2))
+    first = [w for i, w in model.waits if i == 0]
+    steady = float(np.median([w for i, w in model.waits if i > 1]))
+    row = (
+        f"| {items} items of {item_s * 1e3:.0f} ms, batch {batch}, 2 workers, step "
+        f"{args.step_ms:g} ms | {1e3 * float(np.median(first)):.1f} | {1e3 * steady:.2f} |"
+    )
+    print(row, flush=True)
+    return [
+        "| epoch boundary | first batch of an epoch: wait (ms) | batch inside an epoch: wait (ms) |",
+        "|---|---|---|",
+        row,
+    ]
+
+
 def main() -> None:
     from lun.cli import HelpFormatter
 
@@ -199,15 +277,21 @@ def main() -> None:
     parser.add_argument("--demo-config", default=str(ROOT / "configs" / "tiny" / "ldm.yaml"))
     parser.add_argument("--demo-steps", type=int, default=20, help="0 skips the demo measurement")
     parser.add_argument("--demo-workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument(
+        "--boundary-epochs", type=int, default=4, help="epochs of the boundary test; 0 skips it"
+    )
+    parser.add_argument("--step-ms", type=float, default=40.0, help="its step time (ms)")
     args = parser.parse_args()
     import torch  # after parsing: --help answers at once
 
     torch.set_num_threads(1)  # one core per loader process, as in a real multi-worker run
     with tempfile.TemporaryDirectory() as tmp:
-        tables = [loader_table(args, Path(tmp))]
+        tables = [loader_table(args, Path(tmp))] if args.n else []
         if args.demo_steps:
             torch.set_num_threads(2)
             tables.append(demo_table(args, Path(tmp)))
+    if args.boundary_epochs:
+        tables.append(boundary_table(args))
     print()
     for table in tables:
         print("\n".join(table) + "\n")

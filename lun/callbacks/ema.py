@@ -37,6 +37,7 @@ from lun.atomic_io import materialized
 from lun.strategies import gathered_parameters, shards_weights
 
 WARMUPS = ("none", "litema", "power")
+PLACES = ("host", "device", "auto")  # where the shadows live (`EMA(shadows=...)`)
 PROBE_STEPS = 3  # optimizer steps timed after the first update, to choose `update_every="auto"`
 DECAY_KEY, NUM_UPDATES_KEY = EMA_SCALARS
 
@@ -103,6 +104,13 @@ class EMA(Callback):
             result, bit for bit); False does it inline.
         pin_memory: page-locked CPU buffers (faster, asynchronous device -> CPU copies); only
             used when the model is on an accelerator.
+        shadows: where the fp32 shadows live. "host" (default): host RAM, as above - nothing
+            on the accelerator. "device": the accelerator's memory, as the original LitEma
+            (+4 bytes per trainable weight there; the fold is then one on-device kernel per
+            update, with no copy and no host thread; the staging buffers stay in host RAM, for
+            swaps). "auto": the device when the launcher's memory plan (lun.memory) finds
+            room for them under its device budget, else host RAM. On a CPU-only run all three
+            are the same.
     """
 
     def __init__(
@@ -115,7 +123,10 @@ class EMA(Callback):
         validate_with_ema: bool = True,
         async_update: bool = True,
         pin_memory: bool = True,
+        shadows: str = "host",
     ):
+        if shadows not in PLACES:
+            raise ValueError(f"shadows={shadows!r}: expected one of {', '.join(PLACES)}")
         warmup = warmup or "none"
         if warmup not in WARMUPS:
             raise ValueError(f"EMA warmup must be one of {', '.join(WARMUPS)}, got '{warmup}'")
@@ -138,6 +149,9 @@ class EMA(Callback):
         self.validate_with_ema = validate_with_ema
         self.async_update = async_update
         self.pin_memory = pin_memory
+        self.place = shadows
+        # "auto": set by the memory plan (`lun.memory`); no plan made: host RAM.
+        self.on_device: bool | None = {"host": False, "device": True}.get(shadows)
         self.shadows: dict[str, torch.Tensor] | None = None  # name -> fp32 CPU average
         self._staging: dict[str, torch.Tensor] | None = None  # name -> CPU copy of the weights
         self.num_updates = 0  # optimizer steps folded into the average
@@ -223,10 +237,11 @@ class EMA(Callback):
         timed = not self._reported and self._probe_start is None
         start = time.perf_counter()
         with self._full_weights(pl_module) as params:
-            if next(iter(params.values())).device.type == "cpu":
-                # Weights in host memory: fold them in directly, now. A staging copy for a worker
-                # thread would cost more CPU time than the fold it lets overlap (and training
-                # already keeps the cores busy).
+            if next(iter(self.shadows.values())).device == next(iter(params.values())).device:
+                # Shadows beside the weights (host memory, or both on the device): fold them in
+                # directly, now. A staging copy for a worker thread would cost more CPU time
+                # than the fold it lets overlap (and training already keeps the cores busy); on
+                # a device the fold is queued on its stream like the step's own kernels.
                 self._fold_in(1.0 - keep, None, self._ordered(params)[0])
                 if timed:
                     self._update_seconds = time.perf_counter() - start
@@ -276,6 +291,9 @@ class EMA(Callback):
         sources = staging if sources is None else sources
         if self._fp32:  # the staging buffers have the weights' dtypes
             torch._foreach_lerp_(shadows, sources, weight)  # one call for all tensors
+        elif shadows[0].device.type != "cpu":  # on the device: one fp32 copy at a time
+            for shadow, source in zip(shadows, sources, strict=True):
+                shadow.lerp_(source.float(), weight)
         else:
             torch._foreach_lerp_(shadows, [s.float() for s in sources], weight)
 
@@ -302,9 +320,13 @@ class EMA(Callback):
                 raise ValueError("EMA: pl_module.ema_module has no trainable parameters")
             device = next(iter(params.values())).device
             pin = self.pin_memory and device.type != "cpu"
+            beside = bool(self.on_device) and device.type != "cpu"  # shadows on the accelerator
+            where = device if beside else torch.device("cpu")
             if self.shadows is None or self.shadows.keys() != params.keys():
                 self.shadows = {
-                    n: torch.empty(p.shape, dtype=torch.float32, pin_memory=pin)
+                    n: torch.empty(
+                        p.shape, dtype=torch.float32, device=where, pin_memory=pin and not beside
+                    )
                     for n, p in params.items()
                 }
                 with torch.no_grad():
@@ -316,6 +338,8 @@ class EMA(Callback):
             }
             self._lists = None
             self._where = "pinned host RAM" if pin else "host RAM"
+            if beside:
+                self._where = f"{device.type} memory"
 
     def _apply_loaded(self) -> None:
         loaded, self._loaded = self._loaded, None
@@ -422,6 +446,10 @@ class EMA(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage == "fit":
             self._check_strategy(trainer)
+            if self.place == "auto":
+                # Only rank 0 makes the memory plan (main.py): every rank takes its choice, so
+                # all keep their shadows in the same place (none planned: host RAM).
+                self.on_device = bool(trainer.strategy.broadcast(self.on_device, src=0))
             if self.async_update and self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ema")
 

@@ -150,17 +150,28 @@ class BucketBatchSampler(torch.utils.data.Sampler):
         for _, batch in self.numbered():
             yield batch
 
+    @property
+    def start(self) -> tuple[int, int]:
+        """(epoch, batches skipped in it) that the next `numbered()` serves from."""
+        return self.epoch, self._skip
+
+    def epoch_batches(self, epoch: int, skip: int = 0):
+        """This rank's batches of `epoch` after the first `skip`, as (number in the epoch's global
+        list, indices); changes nothing (a loader may read ahead into the next epoch with it)."""
+        batches = self.global_batches(epoch)
+        numbers = range(self.rank, len(self) * self.world_size, self.world_size)
+        for number in numbers[skip:]:
+            yield number, batches[number % len(batches)].tolist()
+
     def numbered(self):
         """This rank's batches of the epoch as (number in the epoch's global list, indices)."""
         if self.on_epoch_start is not None:
             self.on_epoch_start(self.epoch)
-        batches = self.global_batches(self.epoch)
         skip, self._skip = self._skip, 0
-        numbers = range(self.rank, len(self) * self.world_size, self.world_size)
         self.position = skip
-        for number in numbers[skip:]:
+        for number, batch in self.epoch_batches(self.epoch, skip):
             self.position += 1
-            yield number, batches[number % len(batches)].tolist()
+            yield number, batch
 
     def state_dict(self) -> dict:
         """Where this rank is: epoch, batches handed out in it, and the layout they came from."""

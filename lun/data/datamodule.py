@@ -83,17 +83,28 @@ def check_loader_settings(key: str, settings: dict, split: bool = False) -> None
 class KeyedBatches(Sampler):
     """The batches of a BucketBatchSampler as (key, indices): the key (seed, epoch, number of
     the batch in the epoch's global list) names a batch the same way on every rank, in every
-    worker and after a resume."""
+    worker and after a resume.
 
-    def __init__(self, ordering: BucketBatchSampler):
-        self.ordering = ordering
+    endless: go on into the next epochs after this one (for EpochLoader's `read_ahead`); the
+    order of each epoch is the same, its batches only start loading earlier.
+    """
+
+    def __init__(self, ordering: BucketBatchSampler, endless: bool = False):
+        self.ordering, self.endless = ordering, endless
 
     def __len__(self) -> int:
         return len(self.ordering)
 
     def __iter__(self):
-        for number, batch in self.ordering.numbered():
-            yield (self.ordering.seed, self.ordering.epoch, number), batch
+        if not self.endless:
+            for number, batch in self.ordering.numbered():
+                yield (self.ordering.seed, self.ordering.epoch, number), batch
+            return
+        epoch, skip = self.ordering.start
+        while True:
+            for number, batch in self.ordering.epoch_batches(epoch, skip):
+                yield (self.ordering.seed, epoch, number), batch
+            epoch, skip = epoch + 1, 0
 
 
 class SeededItems(Dataset):
@@ -131,15 +142,38 @@ class EpochLoader(DataLoader):
     Lightning only calls `set_epoch` on `sampler` attributes, and a stream dataset has none, so
     each `iter()` - Lightning makes exactly one per epoch - begins the next epoch (or the
     resumed one) on the object that orders the data.
+
+    read_ahead (a map-style training set with persistent workers): Lightning makes the next
+    epoch's `iter()` only when that epoch starts, so its first batches would wait for the
+    workers at every boundary (a 20-image set has one every 5 steps). Instead one iterator of
+    the workers spans the epochs (its batch sampler, KeyedBatches(endless=True), goes on into the
+    next epoch), and they load the next epoch's first batches while this epoch's last ones
+    train. Each `iter()` serves its epoch's batches from that iterator; when the iterator stands
+    elsewhere (the first epoch, a resume, an epoch cut short by `limit_train_batches`) it is
+    started again at the right batch (torch's `_reset` drops what it had read ahead).
     """
 
-    def __init__(self, *args, epochs, **kwargs):
+    def __init__(self, *args, epochs, read_ahead: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
-        self.epochs = epochs
+        self.epochs, self.read_ahead = epochs, read_ahead and self.persistent_workers
+        self._next_batch: tuple[int, int] | None = None  # (epoch, batch) the iterator yields next
 
     def __iter__(self):
         self.epochs.begin_epoch()
-        return super().__iter__()
+        if not self.read_ahead:
+            return super().__iter__()
+        return self._serve_epoch()
+
+    def _serve_epoch(self):
+        ordering = self.epochs
+        if self._iterator is None or self._next_batch != ordering.start:
+            self._next_batch = None
+            super().__iter__()  # starts (or resets) the persistent iterator at ordering.start
+        batches = self._iterator
+        for _ in ordering.numbered():  # the epoch's bookkeeping: its start hook, the position
+            epoch, position = ordering.epoch, ordering.position
+            self._next_batch = (epoch, position) if position < len(ordering) else (epoch + 1, 0)
+            yield next(batches)
 
 
 def _summarize_epoch(dataset, epoch: int) -> None:
@@ -307,11 +341,13 @@ class DataModule(L.LightningDataModule):
                 world_size=world_size,
                 on_epoch_start=functools.partial(_summarize_epoch, dataset) if train else None,
             )
+            read_ahead = train and settings["persistent_workers"]
             loader = EpochLoader(
                 SeededItems(dataset, held_out=not train),
-                batch_sampler=KeyedBatches(ordering),
+                batch_sampler=KeyedBatches(ordering, endless=read_ahead),
                 collate_fn=getattr(dataset, "collate", None),  # its own (DreamBooth's pairs)
                 epochs=ordering,
+                read_ahead=read_ahead,
                 **loader_args,
             )
         if train and "train" in self._resume:
