@@ -416,6 +416,12 @@ class Flux(nn.Module):
         guidance = torch.as_tensor(guidance, device=device).float().expand(batch)
         return timestep_embedding(guidance * GUIDANCE_SCALE_FACTOR, FREQUENCY_EMBEDDING_SIZE)
 
+    def blocks_in_order(self) -> list[nn.Module]:
+        """The blocks base quantization and block swap act on (ldm.block_swap.blocks_of), in
+        the order they run: the double-stream blocks, then the single-stream ones. Left as they
+        are: `img_in`, `txt_in`, the time / guidance / vector MLPs, and the final layer."""
+        return [*self.double_blocks, *self.single_blocks]
+
 
 # --- presets (BFL src/flux/util.py configs "flux-dev", "flux-schnell") -------------------------
 

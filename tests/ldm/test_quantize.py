@@ -128,6 +128,7 @@ def test_gradients_reach_the_adapters_and_not_the_base(kind):
 
 def tiny_backbones():
     from ldm.dit import DiT
+    from ldm.flux import Flux
     from ldm.mmdit import MMDiT
     from ldm.unet import UNetModel
 
@@ -150,10 +151,16 @@ def tiny_backbones():
             lambda m: m(x, t.float(), {"crossattn": torch.randn(2, 5, 24),
                                        "vector": torch.randn(2, 16)}),
         ),
+        "flux": (  # one block of each kind, as configs/flux/tiny.yaml
+            Flux(depth=1, depth_single_blocks=1, hidden_size=32, num_heads=2, axes_dim=(4, 6, 6),
+                 in_channels=4, context_dim=24, pooled_dim=16, guidance=3.5),
+            lambda m: m(x, t.float(), {"crossattn": torch.randn(2, 5, 24),
+                                       "vector": torch.randn(2, 16)}),
+        ),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sd-unet", "dit", "mmdit"])
+@pytest.mark.parametrize("family", ["sd-unet", "dit", "mmdit", "flux"])
 def test_every_family_quantizes_to_fp8_like_a_3_bit_mantissa(family):
     """The blocks' layers in fp8 err like weights rounded to 3 mantissa bits: about 2^4 times
     the error of the same weights rounded to bf16's 7 bits (computed here by plain casts)."""
