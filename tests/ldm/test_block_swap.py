@@ -118,6 +118,21 @@ def test_an_nf4_base_swaps_and_computes_the_same():
         assert torch.equal(swapped(*args), plain(*args))
 
 
+def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
+    """fp8 layers save their fp8 bytes for the backward (ldm.quantize): under block swap's
+    recompute those are the reloaded block's, and the adapters' gradients stay the same."""
+    from ldm.lora import quantize_blocks
+
+    plain = with_adapters(tiny_dit())
+    assert quantize_blocks(plain, "fp8", torch.float32) > 0
+    swapped = copy.deepcopy(plain)
+    swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    expected, got = step(plain), step(swapped)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[2].keys() == expected[2].keys() and len(got[2]) == 2 * 5
+    assert all(torch.equal(got[2][n], expected[2][n]) for n in expected[2])
+
+
 def test_int8_with_block_swap_is_refused_by_name():
     from ldm.lora import parse_settings
 
