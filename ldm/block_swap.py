@@ -20,17 +20,25 @@ from torch.utils.checkpoint import checkpoint
 
 
 def blocks_of(backbone: nn.Module) -> list[nn.Module]:
-    """The backbone's blocks in the order they run: the items of its ModuleLists of modules
-    with weights (DiT / MMDiT `blocks`, the UNet's `input_blocks` and `output_blocks`, Flux's
-    `double_blocks` and `single_blocks`), nested lists left to their parent."""
-    found, seen = [], set()
-    for _, module in backbone.named_modules():
-        if isinstance(module, nn.ModuleList) and id(module) not in seen:
-            items = [m for m in module if any(True for _ in m.parameters())]
-            if len(items) > 1:
-                found += items
-                seen.update(id(m) for m in module.modules())
-    return found
+    """The backbone's blocks in the order they run, as the backbone itself names them
+    (`blocks_in_order()`: the UNet's input, middle and output blocks, DiT / MMDiT's blocks,
+    Flux's double then single blocks): what `base_quantization` quantizes and `blocks_to_swap`
+    streams. The embedders and the output layer are not blocks (they stay as they are).
+    `backbone` may be a wrapper of it (LatentDiffusion's `model.diffusion_model`): the outermost
+    module that names its blocks answers."""
+    named = next(
+        (m.blocks_in_order for m in backbone.modules() if hasattr(m, "blocks_in_order")), None
+    )
+    if named is None:
+        inner = backbone
+        while len(children := list(inner.children())) == 1:  # the wrapped one, for its name
+            inner = children[0]
+        raise ValueError(
+            f"model.params.lora: the backbone {type(inner).__name__} does not name its blocks "
+            "(a `blocks_in_order()` method), so base_quantization / blocks_to_swap cannot act "
+            "on it; set both to their defaults"
+        )
+    return list(named())
 
 
 class BlockSwap:

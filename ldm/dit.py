@@ -265,6 +265,12 @@ class PatchTransformer(nn.Module):
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
 
+    def blocks_in_order(self) -> list[nn.Module]:
+        """The blocks base quantization and block swap act on (ldm.block_swap.blocks_of), in
+        the order they run. Left as they are: the patch, timestep and label / text embedders,
+        PixArt's shared `t_block`, and the final layer."""
+        return list(self.blocks)
+
 
 class DiT(PatchTransformer):
     """Class-conditional DiT (facebookresearch/DiT names).

@@ -90,6 +90,11 @@ class FlowSchedule:
     latent): Flux's rule, so that a bucketed data set's sizes each get theirs. base_shift,
     max_shift, base_image_seq_len, max_image_seq_len: its line (Flux's defaults; diffusers'
     FlowMatchEulerDiscreteScheduler names). Sampling then uses BFL's step grid (`flux_sigmas`).
+
+    shift_sampling: false samples on the unshifted grid (training's times stay shifted): a model
+    distilled to sample on it, as FLUX.1 [schnell] - BFL's cli.py samples it with
+    `get_schedule(..., shift=(name != "flux-schnell"))`, diffusers' schnell scheduler config
+    has shift 1.0 and no dynamic shifting. The schnell config says so.
     """
 
     timestep_sampling: str = "logit_normal"
@@ -103,6 +108,7 @@ class FlowSchedule:
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
     patch_size: int = 2
+    shift_sampling: bool = True
 
     def __post_init__(self):
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
@@ -153,10 +159,11 @@ class FlowSchedule:
         self, steps: int, latent_size: Sequence[int] | None = None, num_train_timesteps: int = 1000
     ) -> torch.Tensor:
         """(steps + 1,) sampling times from 1 to 0 for latents of `latent_size`: SD3's grid with
-        the fixed shift, BFL's with use_dynamic_shifting."""
+        the fixed shift, BFL's with use_dynamic_shifting; unshifted without shift_sampling."""
+        shift = self.shift_for(latent_size) if self.shift_sampling else 1.0
         if self.use_dynamic_shifting:
-            return flux_sigmas(steps, self.shift_for(latent_size))
-        return flow_sigmas(steps, self.shift, num_train_timesteps)
+            return flux_sigmas(steps, shift)
+        return flow_sigmas(steps, shift, num_train_timesteps)
 
 
 # --- samplers ------------------------------------------------------------------------------------

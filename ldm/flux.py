@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ldm.dit import FinalLayer, layer_norm, modulate
+from ldm.dit import FinalLayer, layer_norm
 from ldm.flow import dynamic_shift
 from ldm.unet import timestep_embedding
 
@@ -64,10 +64,13 @@ def image_seq_len(height: int, width: int, patch_size: int = 2) -> int:
 
 
 def rope(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> torch.Tensor:
-    """Position ids (B, L, n_axes) -> rotations (B, 1, L, head_dim / 2, 2, 2).
+    """Position ids (B, L, n_axes) -> rotations (2, B, 1, L, head_dim): cos and signed sin.
 
     Axis i takes axes_dim[i] channels, i.e. axes_dim[i] / 2 rotation planes, plane j turning by
     position * theta^(-2j / axes_dim[i]) (RoPE eq. 15); the planes of all axes are concatenated.
+    Channels 2j and 2j + 1 (plane j) both get cos(angle_j); sin comes signed (-sin, +sin), so
+    that the rotation is x cos + swap(x) sin (`apply_rope`): BFL's 2x2 matrices [[cos, -sin],
+    [sin, cos]] per plane, laid out once per forward for elementwise products on whole heads.
     Computed in float64 (positions up to a few hundred times the fastest frequency), kept float32.
     """
     angles = []
@@ -78,15 +81,18 @@ def rope(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> torch.Tens
         angles.append(ids[..., axis].double()[..., None] * omega)  # (B, L, dim / 2)
     angle = torch.cat(angles, dim=-1)  # (B, L, head_dim / 2)
     cos, sin = torch.cos(angle), torch.sin(angle)
-    rotation = torch.stack([cos, -sin, sin, cos], dim=-1).reshape(*angle.shape, 2, 2)
-    return rotation.float().unsqueeze(1)  # (B, 1, L, head_dim / 2, 2, 2)
+    cos = torch.stack([cos, cos], dim=-1).flatten(-2)  # (B, L, head_dim)
+    sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
+    return torch.stack([cos, sin]).float().unsqueeze(2)  # (2, B, 1, L, head_dim)
 
 
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, L, head_dim) -> x with channel pairs (2j, 2j + 1) rotated by rotation[..., j]."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 1, 2)  # (B, H, L, head_dim / 2, 1, 2)
-    out = rotation[..., 0] * pairs[..., 0] + rotation[..., 1] * pairs[..., 1]  # (..., 2)
-    return out.reshape(x.shape).type_as(x)
+    """x (B, heads, L, head_dim) -> x with channel pairs (2j, 2j + 1) rotated by plane j's angle:
+    (x_2j cos - x_2j+1 sin, x_2j+1 cos + x_2j sin), in float32 (BFL's apply_rope)."""
+    cos, sin = rotation
+    x32 = x.float()
+    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x_2j+1, x_2j) per pair
+    return (x32 * cos + swapped * sin).type_as(x)
 
 
 def attention(
@@ -123,7 +129,7 @@ class RMSNorm(nn.Module):
         self.scale = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + 1e-6)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=1e-6)  # x / sqrt(mean(x^2) + eps)
         return normed.to(x.dtype) * self.scale
 
 
@@ -184,8 +190,13 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
 
 
 def shifted(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN with (B, 1, D) modulations: x (1 + scale) + shift."""
-    return modulate(x, shift[:, 0], scale[:, 0])
+    """adaLN with (B, 1, D) modulations: x (1 + scale) + shift (one pass over x: addcmul)."""
+    return torch.addcmul(shift, x, 1 + scale)
+
+
+def gated(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The gated residual x + gate * out, gate (B, 1, D), in one pass (addcmul)."""
+    return torch.addcmul(x, gate, out)
 
 
 class DoubleStreamBlock(nn.Module):
@@ -218,8 +229,8 @@ class DoubleStreamBlock(nn.Module):
     def _residuals(x, attn_out, mods, attn, norm2, mlp_layers) -> torch.Tensor:
         """The gated attention residual, then the gated MLP of the modulated result."""
         _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
-        x = x + gate_msa * attn.proj(attn_out)
-        return x + gate_mlp * mlp_layers(shifted(norm2(x), shift_mlp, scale_mlp))
+        x = gated(x, gate_msa, attn.proj(attn_out))
+        return gated(x, gate_mlp, mlp_layers(shifted(norm2(x), shift_mlp, scale_mlp)))
 
 
 class SingleStreamBlock(nn.Module):
@@ -246,7 +257,7 @@ class SingleStreamBlock(nn.Module):
         q, k, v = split_heads(qkv, self.num_heads)
         q, k = self.norm(q, k, v)
         out = torch.cat([attention(q, k, v, rotation), self.mlp_act(mlp_in)], dim=-1)
-        return x + gate * self.linear2(out)
+        return gated(x, gate, self.linear2(out))
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -394,7 +405,7 @@ class Flux(nn.Module):
         txt = self.txt_in(cond["crossattn"].to(dtype))  # (B, T, D)
         rotation = rope(
             self.position_ids(b, txt.shape[1], h, w, x.device), self.axes_dim, self.theta
-        )  # (B, 1, T + N, head_dim / 2, 2, 2)
+        )  # (2, B, 1, T + N, head_dim): cos, signed sin
         for block in self.double_blocks:
             img, txt = self._run(block, img, txt, vec, rotation)
         joint = torch.cat([txt, img], dim=1)  # (B, T + N, D)
@@ -415,6 +426,12 @@ class Flux(nn.Module):
             guidance = torch.full((batch,), float(self.guidance), device=device)
         guidance = torch.as_tensor(guidance, device=device).float().expand(batch)
         return timestep_embedding(guidance * GUIDANCE_SCALE_FACTOR, FREQUENCY_EMBEDDING_SIZE)
+
+    def blocks_in_order(self) -> list[nn.Module]:
+        """The blocks base quantization and block swap act on (ldm.block_swap.blocks_of), in
+        the order they run: the double-stream blocks, then the single-stream ones. Left as they
+        are: `img_in`, `txt_in`, the time / guidance / vector MLPs, and the final layer."""
+        return [*self.double_blocks, *self.single_blocks]
 
 
 # --- presets (BFL src/flux/util.py configs "flux-dev", "flux-schnell") -------------------------

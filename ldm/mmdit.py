@@ -354,6 +354,12 @@ class MMDiT(nn.Module):
         tokens = self.final_layer(tokens, c)  # (B, N, p*p*C_out)
         return self.unpatchify(tokens, h, w)  # (B, C_out, H, W)
 
+    def blocks_in_order(self) -> list[nn.Module]:
+        """The blocks base quantization and block swap act on (ldm.block_swap.blocks_of), in
+        the order they run. Left as they are: the patch, timestep, pooled-vector and context
+        embedders, and the final layer."""
+        return list(self.joint_blocks)
+
 
 # --- presets (the released checkpoints' sizes; diffusers' configs of the same models) ---------
 

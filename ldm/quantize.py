@@ -43,13 +43,49 @@ class Fp8Storage(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
-        return (self.weight.view(FP8).float() * self.weight_scale.float()).to(dtype)
+        return _dequantize(self.weight, self.weight_scale, dtype)
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
+
+
+def _dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (bits.view(FP8).float() * scale.float()).to(dtype)
+
+
+class _Fp8Op(torch.autograd.Function):
+    """y = op(x, W) with W = dequantized fp8 bits; the backward dequantizes W again instead of
+    autograd keeping the forward's full-precision copy for the input's gradient (x W^T's
+    gradient is grad W): the point of fp8 storage is not to hold the bf16 weight - only the
+    fp8 bytes and their scales are saved. The frozen W gets no gradient; a bias that trains does.
+    `op` is "linear" or a Conv2d's (stride, padding, dilation, groups)."""
+
+    @staticmethod
+    def forward(ctx, x, bits, scale, bias, dtype, conv):
+        ctx.save_for_backward(bits, scale)
+        ctx.dtype, ctx.conv, ctx.input_shape = dtype, conv, x.shape
+        weight = _dequantize(bits, scale, dtype)
+        if conv is None:
+            return F.linear(x, weight, bias)
+        return F.conv2d(x, weight, bias, *conv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        bits, scale = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = _dequantize(bits, scale, ctx.dtype)
+            if ctx.conv is None:
+                grad_x = grad @ weight  # (..., out) @ (out, in)
+            else:
+                grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, weight, grad, *ctx.conv)
+        if ctx.needs_input_grad[3]:
+            dims = (0, 2, 3) if ctx.conv is not None else tuple(range(grad.dim() - 1))
+            grad_bias = grad.sum(dims)
+        return grad_x, None, None, grad_bias, None, None
 
 
 class Fp8Linear(Fp8Storage):
@@ -64,7 +100,7 @@ class Fp8Linear(Fp8Storage):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.dequantized(dtype), bias)
+        return _Fp8Op.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype, None)
 
 
 class Fp8Conv2d(Fp8Storage):
@@ -80,10 +116,8 @@ class Fp8Conv2d(Fp8Storage):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        weight = self.dequantized(dtype)
-        return F.conv2d(
-            x.to(dtype), weight, bias, self.stride, self.padding, self.dilation, self.groups
-        )
+        conv = (self.stride, self.padding, self.dilation, self.groups)
+        return _Fp8Op.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype, conv)
 
 
 def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:

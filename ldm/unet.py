@@ -420,6 +420,13 @@ class UNet(nn.Module):
             h = self._run(block, h, emb, context)
         return self.out(h)  # (B, out_channels, H, W)
 
+    def blocks_in_order(self) -> list[nn.Module]:
+        """The blocks base quantization and block swap act on (ldm.block_swap.blocks_of), in
+        the order they run: the input blocks after the first, the middle block, the output
+        blocks. Left as they are: the first input block (conv_in, the latent's embedding, a
+        4 -> C convolution), the timestep and label embeddings, and the output layer (`out`)."""
+        return [*self.input_blocks[1:], self.middle_block, *self.output_blocks]
+
 
 class UNetModel(UNet):
     """The original CompVis / sgm `openaimodel.UNetModel`: its `unet_config.params` unchanged

@@ -118,8 +118,167 @@ def test_an_nf4_base_swaps_and_computes_the_same():
         assert torch.equal(swapped(*args), plain(*args))
 
 
+def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
+    """fp8 layers save their fp8 bytes for the backward (ldm.quantize): under block swap's
+    recompute those are the reloaded block's, and the adapters' gradients stay the same."""
+    from ldm.lora import quantize_blocks
+
+    plain = with_adapters(tiny_dit())
+    assert quantize_blocks(plain, "fp8", torch.float32) > 0
+    swapped = copy.deepcopy(plain)
+    swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    expected, got = step(plain), step(swapped)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert got[2].keys() == expected[2].keys() and len(got[2]) == 2 * 5
+    assert all(torch.equal(got[2][n], expected[2][n]) for n in expected[2])
+
+
 def test_int8_with_block_swap_is_refused_by_name():
     from ldm.lora import parse_settings
 
     with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: not with an int8"):
         parse_settings({"base_quantization": "int8", "blocks_to_swap": 2})
+
+
+# --- which blocks: each backbone names them (blocks_in_order), in the order they run ---------
+
+
+def named_backbones():
+    """Every backbone family at toy size, with one call of its forward."""
+    from ldm.dit import DiT
+    from ldm.dit_text import TextDiT
+    from ldm.flux import Flux
+    from ldm.mmdit import MMDiT
+    from ldm.unet import UNetModel
+
+    torch.manual_seed(0)
+    x, t = torch.randn(1, 4, 8, 8), torch.tensor([500])
+    text = {"crossattn": torch.randn(1, 3, 24), "vector": torch.randn(1, 16)}
+    unet = UNetModel(
+        image_size=8, in_channels=4, out_channels=4, model_channels=32, attention_resolutions=[2],
+        num_res_blocks=1, channel_mult=[1, 2], num_heads=2, use_spatial_transformer=True,
+        transformer_depth=1, context_dim=24,
+    )  # fmt: skip
+    return {
+        "unet": (unet, lambda m: m(x, t, context=text["crossattn"])),
+        "dit": (
+            DiT(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=2, num_heads=2),
+            lambda m: m(x, t, {"y": torch.tensor([1])}),
+        ),
+        "text-dit": (
+            TextDiT(24, input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=2,
+                    num_heads=2),
+            lambda m: m(x, t, text),
+        ),
+        "mmdit": (
+            MMDiT(depth=2, hidden_size=64, num_heads=2, in_channels=4, context_dim=24,
+                  pooled_dim=16, pos_embed_max_size=8, sample_size=8),
+            lambda m: m(x, t.float(), text),
+        ),
+        # Flux with one block of each kind (configs/flux/tiny.yaml's depth)
+        "flux": (
+            Flux(depth=1, depth_single_blocks=1, hidden_size=32, num_heads=2, axes_dim=(4, 6, 6),
+                 in_channels=4, context_dim=24, pooled_dim=16),
+            lambda m: m(x, t.float(), {**text, "guidance": torch.tensor([3.5])}),
+        ),
+    }  # fmt: skip
+
+
+# The layers of each backbone outside its blocks, written out from the architectures (the
+# papers' figures / the original code): they stay in full precision, small and read for their
+# dtype - the input embedders and the output layer.
+NOT_IN_BLOCKS = {
+    "unet": [
+        "time_embed.0", "time_embed.2",  # timestep MLP
+        "input_blocks.0.0",  # conv_in: the latent's embedding
+        "out.2",  # conv_out
+    ],
+    "dit": [
+        "x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2",  # patch / timestep embedders
+        "final_layer.adaLN_modulation.1", "final_layer.linear",
+    ],
+    "text-dit": [
+        "x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2",
+        "y_embedder.fc1", "y_embedder.fc2",  # caption projection
+        "t_block.1",  # adaLN-single: the one modulation all blocks share
+        "final_layer.linear",
+    ],
+    "mmdit": [
+        "x_embedder.proj", "t_embedder.mlp.0", "t_embedder.mlp.2", "y_embedder.mlp.0",
+        "y_embedder.mlp.2", "context_embedder",
+        "final_layer.adaLN_modulation.1", "final_layer.linear",
+    ],
+    "flux": [
+        "img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "vector_in.in_layer",
+        "vector_in.out_layer", "guidance_in.in_layer", "guidance_in.out_layer",
+        "final_layer.adaLN_modulation.1", "final_layer.linear",
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(NOT_IN_BLOCKS))
+def test_fp8_quantizes_every_layer_but_the_embedders_and_the_output(family):
+    from ldm.lora import quantize_blocks
+
+    backbone, _ = named_backbones()[family]
+    backbone.requires_grad_(False)
+    layers = [n for n, m in backbone.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    assert set(NOT_IN_BLOCKS[family]) <= set(layers)
+    replaced = quantize_blocks(backbone, "fp8", torch.float32)
+    left = [n for n, m in backbone.named_modules() if type(m) in (nn.Linear, nn.Conv2d)]
+    assert sorted(left) == sorted(NOT_IN_BLOCKS[family])
+    assert replaced == len(layers) - len(left)
+
+
+def test_tiny_flux_with_one_block_of_each_kind_gets_both_quantized():
+    """configs/flux/tiny.yaml's depth (1 + 1): both blocks' layers in fp8, none left out."""
+    from ldm.lora import quantize_blocks
+    from ldm.quantize import Fp8Linear
+
+    flux, _ = named_backbones()["flux"]
+    flux.requires_grad_(False)
+    quantize_blocks(flux, "fp8", torch.float32)
+    for block in (flux.double_blocks[0], flux.single_blocks[0]):
+        kinds = {type(m) for m in block.modules() if not list(m.children())}
+        assert Fp8Linear in kinds and nn.Linear not in kinds
+
+
+def test_the_unet_middle_block_is_quantized():
+    from ldm.lora import quantize_blocks
+    from ldm.quantize import Fp8Conv2d, Fp8Linear
+
+    unet, _ = named_backbones()["unet"]
+    unet.requires_grad_(False)
+    quantize_blocks(unet, "fp8", torch.float32)
+    kinds = [type(m) for m in unet.middle_block.modules() if not list(m.children())]
+    # two ResBlocks' two 3x3 convolutions, the transformer's 1x1 proj_in / proj_out (SD 1.x)
+    assert kinds.count(Fp8Conv2d) == 6
+    assert Fp8Linear in kinds and nn.Linear not in kinds and nn.Conv2d not in kinds
+
+
+@pytest.mark.parametrize("family", list(NOT_IN_BLOCKS))
+def test_the_blocks_are_named_in_the_order_the_forward_runs_them(family):
+    """Block swap prefetches the next block of the list: it must be the next one to run. The
+    order the forward calls the top-level children of the backbone's block containers."""
+    backbone, run = named_backbones()[family]
+    blocks = blocks_of(backbone)
+    ran = []
+    containers = [m for m in backbone.children() if isinstance(m, nn.ModuleList)]
+    candidates = [m for c in containers for m in c]
+    candidates += [getattr(backbone, "middle_block", None)] if family == "unet" else []
+    for module in candidates:
+        module.register_forward_pre_hook(lambda m, _: ran.append(m))
+    with torch.no_grad():
+        run(backbone)
+    expected = [m for m in ran if any(True for _ in m.parameters())]
+    if family == "unet":
+        expected = expected[1:]  # conv_in, the first input block, is the latent's embedding
+    assert [id(b) for b in blocks] == [id(m) for m in expected]
+
+
+def test_a_backbone_that_does_not_name_its_blocks_is_refused_in_one_line():
+    from ldm.diffusion import DiffusionWrapper
+
+    unnamed = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
+    with pytest.raises(ValueError, match=r"^model.params.lora: the backbone Sequential does not"):
+        blocks_of(DiffusionWrapper(unnamed))

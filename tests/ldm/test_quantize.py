@@ -128,6 +128,7 @@ def test_gradients_reach_the_adapters_and_not_the_base(kind):
 
 def tiny_backbones():
     from ldm.dit import DiT
+    from ldm.flux import Flux
     from ldm.mmdit import MMDiT
     from ldm.unet import UNetModel
 
@@ -150,10 +151,16 @@ def tiny_backbones():
             lambda m: m(x, t.float(), {"crossattn": torch.randn(2, 5, 24),
                                        "vector": torch.randn(2, 16)}),
         ),
+        "flux": (  # one block of each kind, as configs/flux/tiny.yaml
+            Flux(depth=1, depth_single_blocks=1, hidden_size=32, num_heads=2, axes_dim=(4, 6, 6),
+                 in_channels=4, context_dim=24, pooled_dim=16, guidance=3.5),
+            lambda m: m(x, t.float(), {"crossattn": torch.randn(2, 5, 24),
+                                       "vector": torch.randn(2, 16)}),
+        ),
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["sd-unet", "dit", "mmdit"])
+@pytest.mark.parametrize("family", ["sd-unet", "dit", "mmdit", "flux"])
 def test_every_family_quantizes_to_fp8_like_a_3_bit_mantissa(family):
     """The blocks' layers in fp8 err like weights rounded to 3 mantissa bits: about 2^4 times
     the error of the same weights rounded to bf16's 7 bits (computed here by plain casts)."""
@@ -216,3 +223,65 @@ def test_dequantize_gives_the_weight_within_its_format_bound(kind):
     got = quantize.dequantize(quantized)
     assert got.shape == w.shape and got.dtype == torch.float32
     assert ((got - w).abs() <= bound * 1.001 + 1e-7).all()
+
+
+def fp8_and_dequantized_twins(kind, dtype):
+    """A LoRA on an fp8 base layer and the same LoRA on a plain layer holding that base's
+    dequantized weight (the reference: what autograd does with a full-precision weight)."""
+    import copy
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    if kind == "linear":
+        layer, x = nn.Linear(96, 40), torch.randn(3, 5, 96)
+    else:
+        layer, x = nn.Conv2d(6, 10, 3, padding=1), torch.randn(2, 6, 8, 8)
+    plain = nn.Sequential(layer.requires_grad_(False))
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0"], init_lora_weights=False), plain)
+    fp8 = copy.deepcopy(plain)
+    assert quantize.quantize_frozen(fp8, "fp8", dtype) == 1
+    fp8.to(dtype), plain.to(dtype)
+    plain[0].base_layer.weight.data = fp8[0].base_layer.dequantized(dtype)
+    for model in (fp8, plain):  # a bias that trains (peft's `bias="all"`) gets its gradient
+        model[0].base_layer.bias.requires_grad_(True)
+    return (fp8, plain), x.to(dtype), layer.weight.shape
+
+
+def saved_during_forward_and_backward(model, x):
+    """The tensors autograd saves for the backward, and the gradients of the input and the
+    adapters."""
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    x = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = model(x)
+    out.float().square().sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return saved, x.grad, grads
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_backward_holds_only_the_fp8_weight_and_gives_the_dequantized_gradients(kind, dtype):
+    (fp8, plain), x, shape = fp8_and_dequantized_twins(kind, dtype)
+    saved, grad_x, grads = saved_during_forward_and_backward(fp8, x)
+    saved_plain, grad_x_plain, grads_plain = saved_during_forward_and_backward(plain, x)
+
+    def full_precision_weights(found):  # the weight, or its transpose (linear's x W^T)
+        return [s for s in found if sorted(s[0]) == sorted(shape) and s[1].is_floating_point]
+
+    # the plain layer keeps its weight for the input's gradient (what the check would see) ...
+    assert [dtype] == [s[1] for s in full_precision_weights(saved_plain)]
+    # ... the fp8 one only its fp8 bytes (uint8) and scales
+    assert full_precision_weights(saved) == []
+    assert (tuple(shape), torch.uint8) in saved
+    assert sorted(grads) == sorted(grads_plain) and len(grads) == 3  # lora_A, lora_B, bias
+    torch.testing.assert_close(grad_x, grad_x_plain, rtol=0, atol=0)
+    for name in grads:  # the bias's sum over positions may add in another order
+        exact = {} if name.endswith("bias") else {"rtol": 0, "atol": 0}
+        torch.testing.assert_close(grads[name], grads_plain[name], **exact)

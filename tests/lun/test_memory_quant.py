@@ -128,3 +128,21 @@ def test_auto_takes_the_first_format_whose_plan_fits(tiny_config):
     model, tight = plan_for(roomy.peak(HOST) - 2**10)
     assert model.lora_settings.base_quantization == "fp8" and quantize.is_quantized(model)
     assert tight.peak(HOST) <= roomy.peak(HOST) - 2**10
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8"])
+def test_the_plan_counts_the_blocks_a_real_flux_quantizes(kind):
+    """The plan from parameter counts against a real Flux at reduced width and depth (1 double
+    + 1 single block, configs/flux/tiny.yaml's depth), its blocks quantized by the trainer's
+    own call (`ldm.lora.quantize_blocks`, blocks named by the backbone) and held in bf16: the
+    planned bytes of the frozen base within 10 % of every tensor the model holds."""
+    from ldm.flux import Flux
+    from ldm.lora import quantize_blocks
+
+    flux = Flux(depth=1, depth_single_blocks=1, hidden_size=256, num_heads=2)  # heads of 128
+    flux.requires_grad_(False).to(torch.bfloat16)
+    quantize_blocks(flux, kind, torch.bfloat16)
+    measured = held_bytes(flux)
+    planned = counts_plan(flux_dev(h=256, double=1, single=1), kind).parts[0]
+    assert planned.name == "frozen: base"
+    assert planned.nbytes == pytest.approx(measured, rel=0.10)
