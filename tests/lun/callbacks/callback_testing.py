@@ -9,6 +9,10 @@ ignores `model_ema.*`, training draws its noise from the global RNG and validati
 `conftest`, so that tests can import it whatever other conftest files pytest has loaded.)
 """
 
+import os
+import subprocess
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -18,6 +22,28 @@ from torch.utils.data import Dataset
 from ldm.model_contract import TrainingContract
 
 IMAGE_SIZE = 8
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def run_two_ranks(script: str, tmp_path: Path, out: Path) -> str:
+    """`script` (Python source: argv[1] is this folder, argv[2] `out`) run as 2 processes under
+    torchrun, as its own job, not forked from pytest (a fork of a process that has run earlier
+    tests, their threads possibly holding locks, hung CI); its output, once it exits 0."""
+    from run_helpers import TORCHRUN_TWO
+
+    path = tmp_path / "two_ranks.py"
+    path.write_text(script)
+    result = subprocess.run(
+        [*TORCHRUN_TWO, str(path), str(Path(__file__).parent), str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    return output
 
 
 class TinyDiffusion(TrainingContract, pl.LightningModule):

@@ -1,15 +1,18 @@
 import math
 import os
 import re
-import subprocess
-from pathlib import Path
 from types import SimpleNamespace
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from callback_testing import SeedEveryStep, TinyDiffusion, WeightRecorder, trainable_weights
-from run_helpers import TORCHRUN_TWO
+from callback_testing import (
+    SeedEveryStep,
+    TinyDiffusion,
+    WeightRecorder,
+    run_two_ranks,
+    trainable_weights,
+)
 from torch import nn
 from torch.testing import assert_close
 
@@ -17,8 +20,6 @@ from lun.atomic_io import AtomicCheckpointIO
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.ema import EMA, ema_weights
 from lun.memory_probe import peak_allocated
-
-ROOT = Path(__file__).resolve().parents[3]
 
 
 def reference_decay(warmup: str, decay: float, n: int) -> float:
@@ -226,19 +227,7 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.slow  # two processes (~15 s): the ranks must agree through a real collective
 def test_ddp_ranks_keep_identical_averages_and_rank0_writes(tmp_path):
-    # Launched as its own job, not forked from pytest: forking a process that has run earlier
-    # tests (their threads, possibly holding locks) hung a CI run here.
-    script = tmp_path / "ddp_ema.py"
-    script.write_text(DDP_SCRIPT)
-    result = subprocess.run(
-        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    run_two_ranks(DDP_SCRIPT, tmp_path, tmp_path)
     ckpt_dir = tmp_path / "ckpt"
     rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)

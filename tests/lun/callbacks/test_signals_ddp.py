@@ -2,15 +2,9 @@
 `agree_every` optimizer steps - agreeing is a collective and a host read, which must not
 happen at every step (issue 30: no host-device sync in a default step but logging steps)."""
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
-from run_helpers import TORCHRUN_TWO
-
-ROOT = Path(__file__).resolve().parents[3]
+from callback_testing import run_two_ranks
 
 DDP_SCRIPT = """
 import os, signal, sys
@@ -37,18 +31,7 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.slow  # two processes (~15 s): the agreement needs a real collective
 def test_one_ranks_sigusr1_is_agreed_on_at_the_next_logging_step(tmp_path):
-    script = tmp_path / "ddp_signal.py"
-    script.write_text(DDP_SCRIPT)
-    result = subprocess.run(
-        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path / "checkpoints")],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    output = run_two_ranks(DDP_SCRIPT, tmp_path, tmp_path / "checkpoints")
     # Signalled after step 1 on rank 1; steps 1 and 2 do not agree; step 3 (log_every_n_steps)
     # does, and both ranks save there.
     assert "SIGUSR1: saving" in output and output.count("SIGUSR1: saving") == 1, output[-3000:]

@@ -1,8 +1,6 @@
 """The Throughput callback: FLOPs counted right, MFU and images/s from them, data wait, report."""
 
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -10,9 +8,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from callback_testing import RandomImages, TinyDiffusion
+from callback_testing import RandomImages, TinyDiffusion, run_two_ranks
 from omegaconf import OmegaConf
-from run_helpers import TORCHRUN_TWO
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.flop_counter import FlopCounterMode
@@ -340,17 +337,7 @@ with open(sys.argv[2] + f"/rank{rank}.json", "w") as f:
 
 @pytest.mark.slow
 def test_under_ddp_images_are_global_and_the_report_is_printed_once(tmp_path):
-    script = tmp_path / "ddp_throughput.py"
-    script.write_text(DDP_SCRIPT)
-    result = subprocess.run(
-        [*TORCHRUN_TWO, str(script)] + [str(Path(__file__).parent), str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    output = run_two_ranks(DDP_SCRIPT, tmp_path, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]  # every rank has the gathered figures
     # Steps 2-4 are timed (step 1 was counted): 2 + 3 images per step over the two ranks.
@@ -358,7 +345,6 @@ def test_under_ddp_images_are_global_and_the_report_is_printed_once(tmp_path):
     flops_per_image = 138240  # TinyDiffusion at 8x8 (see the report test)
     for _, images_per_s, mfu in ranks[0]:
         assert mfu == pytest.approx(flops_per_image * images_per_s / (2 * 1e9), rel=1e-6)
-    output = result.stdout + result.stderr
     assert output.count("throughput report:") == 1
     assert "2 devices" in output
 
