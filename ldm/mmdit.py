@@ -83,25 +83,28 @@ class _RMSNormFunction(torch.autograd.Function):
     fused q, k, v projection, so keeping it would keep all three alive (v too) until the
     backward; the normalised q and k alone are enough (with n = normalised, g = dy * w:
     dx = (g - n * mean(g * n)) / rms(x), dw = sum(dy * n)). The same forward ops as
-    `torch.nn.functional.rms_norm` (statistics in float32 for half inputs).
+    `torch.nn.functional.rms_norm`: half inputs are normalised in float32 and the result cast
+    back; the normalised q and k are kept in float32 too, so the gradients are those of torch's
+    (which keeps a float32 copy of the input and the float32 normalised values).
     """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
-        normed = (wide * inv_rms).to(x.dtype)
+        normed = wide * inv_rms
         ctx.save_for_backward(normed, inv_rms, weight)
-        return normed * weight
+        ctx.input_dtype = x.dtype
+        return (normed * weight).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         normed, inv_rms, weight = ctx.saved_tensors
+        grad = grad.to(normed.dtype)
         grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
-        wide_normed = normed.to(inv_rms.dtype)
-        g = (grad * weight).to(inv_rms.dtype)
-        grad_x = inv_rms * (g - wide_normed * (g * wide_normed).mean(-1, keepdim=True))
-        return grad_x.to(normed.dtype), grad_weight, None
+        g = grad * weight
+        grad_x = inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(ctx.input_dtype), grad_weight, None
 
 
 class QKNorm(nn.RMSNorm):
@@ -109,7 +112,8 @@ class QKNorm(nn.RMSNorm):
     whose backward keeps the normalised output, not the input (`_RMSNormFunction`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
+        return _RMSNormFunction.apply(x, self.weight, eps)
 
 
 class SelfAttention(nn.Module):
