@@ -124,14 +124,15 @@ def measure_memory(module_name: str, which: str, device, network) -> dict[str, i
 
 def section(module, args, device, network, memory: bool = False) -> list[str]:
     """The markdown rows of one backbone section: img/s of each side and ours / diffusers; with
-    `memory`, the peak of a step and ours / diffusers too."""
+    `memory`, the peak of a step, ours / diffusers of it and of the step's part above the memory
+    before it."""
     seconds = seconds_per_step(module, args, device, network)
     cpu_seconds = getattr(args, "cpu_seconds", False) and device.type == "cpu"
     speed = "img/CPU-s (1 thread)" if cpu_seconds else "img/s"
     header = f"| {module.TITLE} | dtype | {speed} | vs diffusers |"
     if memory:
         peaks = {w: measure_memory(module.__name__, w, device, network) for w in SIDES}
-        header += " peak memory | ours / diffusers (peak) |"
+        header += " peak memory | ours / diffusers (peak) | ours / diffusers (step) |"
     rows = [header, "|---" * header.count(" |") + "|"]
     for label in SIDES:
         row = (
@@ -139,8 +140,11 @@ def section(module, args, device, network, memory: bool = False) -> list[str]:
             f"{seconds['diffusers'] / seconds[label]:.2f}x |"
         )
         if memory:
+            # The peak holds the weights, gradients and AdamW state, alike on both sides; the
+            # step's own part (activations, gradients, temporaries) is where they differ.
             ratio = peaks[label]["peak"] / peaks["diffusers"]["peak"]
-            row += f" {peaks[label]['peak'] / 2**20:.0f} MiB | {ratio:.2f}x |"
+            step = peaks[label]["step"] / peaks["diffusers"]["step"]
+            row += f" {peaks[label]['peak'] / 2**20:.0f} MiB | {ratio:.2f}x | {step:.2f}x |"
         rows.append(row)
         print(row, flush=True)
     return rows
