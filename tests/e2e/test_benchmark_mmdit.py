@@ -37,7 +37,7 @@ def test_both_sides_compute_the_same_function():
 
 
 @pytest.mark.slow  # two child processes (one per side) import torch and diffusers: ~25 s
-def test_section_prints_speed_and_memory_ratios():
+def test_section_prints_speed_and_memory_ratios(capsys):
     args = argparse.Namespace(steps=1, warmup=0)
     rows = benchmark_mmdit.mmdit_section(args, torch.device("cpu"), TINY)
     header, rule, *sides = rows
@@ -47,6 +47,7 @@ def test_section_prints_speed_and_memory_ratios():
     assert diffusers[3] == diffusers[5] == diffusers[6] == "1.00x"  # the reference side
     assert float(ours[3].rstrip("x")) > 0 and ours[4].endswith("MiB")
     assert float(ours[4].split()[0]) > 0
+    assert "activations kept for the backward: ours" in capsys.readouterr().out
 
 
 def test_benchmark_runs_the_row_by_name():
