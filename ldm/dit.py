@@ -25,8 +25,11 @@ FREQUENCY_EMBEDDING_SIZE = 256  # sinusoid width before the timestep MLP (DiT's 
 
 
 def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN: x (B, N, D) normalised, then scaled by 1 + scale and shifted, per sample (B, D)."""
-    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+    """adaLN: x (B, N, D) normalised, then scaled by 1 + scale and shifted, per sample (B, D).
+
+    One addcmul (shift + x * (1 + scale)) instead of a multiply and an add: one pass over x and
+    no (B, N, D) temporary; autograd keeps the same tensors (x and 1 + scale)."""
+    return torch.addcmul(shift.unsqueeze(1), x, 1 + scale.unsqueeze(1))
 
 
 def sincos_pos_embed_2d(dim: int, grid_h: int, grid_w: int) -> torch.Tensor:

@@ -64,10 +64,56 @@ def sd3_pos_embed(dim: int, max_size: int, base_size: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q, k, v (B, heads, N, D/heads) -> (B, N, D): softmax(q k^T / sqrt(d)) v on SDPA."""
-    out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, N, D/heads)
-    b, heads, n, head_dim = out.shape
-    return out.transpose(1, 2).reshape(b, n, heads * head_dim)
+    """q, k, v (B, N, heads, D/heads) -> (B, N, D): softmax(q k^T / sqrt(d)) v on SDPA.
+
+    Token-major on both sides: SDPA takes the (B, heads, N, D/heads) views as they are (its CPU
+    and CUDA kernels work in this layout) and returns its output in it, so neither the inputs
+    nor the output are copied to change layout."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    b, _, n, _ = out.shape
+    return out.transpose(1, 2).reshape(b, n, -1)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """y = x / rms(x) * w over the last dim, with a backward that needs only x / rms(x) and
+    1 / rms(x), not x.
+
+    torch's own RMSNorm keeps its input for the backward (and the normalised x as well, where
+    autograd composes it from elementwise ops, as on a CPU). Here the input is a view of the
+    fused q, k, v projection, so keeping it would keep all three alive (v too) until the
+    backward; the normalised q and k alone are enough (with n = normalised, g = dy * w:
+    dx = (g - n * mean(g * n)) / rms(x), dw = sum(dy * n)). The same forward ops as
+    `torch.nn.functional.rms_norm`: half inputs are normalised in float32 and the result cast
+    back; the normalised q and k are kept in float32 too, so the gradients are those of torch's
+    (which keeps a float32 copy of the input and the float32 normalised values).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        wide = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        inv_rms = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+        normed = wide * inv_rms
+        ctx.save_for_backward(normed, inv_rms, weight)
+        ctx.input_dtype = x.dtype
+        return (normed * weight).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        normed, inv_rms, weight = ctx.saved_tensors
+        grad = grad.to(normed.dtype)
+        grad_weight = (grad * normed).flatten(0, -2).sum(0).to(weight.dtype)
+        g = grad * weight
+        grad_x = inv_rms * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.to(ctx.input_dtype), grad_weight, None
+
+
+class QKNorm(nn.RMSNorm):
+    """SD 3.5's per-head RMSNorm of queries and keys (an `nn.RMSNorm`: same weight, same math)
+    whose backward keeps the normalised output, not the input (`_RMSNormFunction`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps  # nn.RMSNorm's default
+        return _RMSNormFunction.apply(x, self.weight, eps)
 
 
 class SelfAttention(nn.Module):
@@ -82,17 +128,16 @@ class SelfAttention(nn.Module):
         head_dim = hidden_size // num_heads
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         # RMSNorm over each head's channels, with a learned scale (eps 1e-6 as mmditx.py).
-        self.ln_q = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.ln_k = nn.RMSNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.ln_q = QKNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.ln_k = QKNorm(head_dim, eps=1e-6) if qk_norm else nn.Identity()
         if not pre_only:
             self.proj = nn.Linear(hidden_size, hidden_size)
 
     def heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (B, N, D) -> q, k, v, each (B, heads, N, D/heads); q and k normalised."""
+        """x (B, N, D) -> q, k, v, each (B, N, heads, D/heads); q and k normalised."""
         b, n, d = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.num_heads, d // self.num_heads).unbind(2)
-        q, k = self.ln_q(q), self.ln_k(k)  # each (B, N, heads, D/heads)
-        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return self.ln_q(q), self.ln_k(k), v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Plain self-attention of one stream (MMDiT-X's `attn2`): (B, N, D) -> (B, N, D)."""
@@ -134,27 +179,28 @@ class StreamBlock(nn.Module):
         )
 
     def pre_attention(self, x: torch.Tensor, c: torch.Tensor):
-        """x (B, N, D), c (B, D) -> (q, k, v) each (B, heads, N, D/heads), and the modulations
-        (each (B, D)) that post_attention needs."""
+        """x (B, N, D), c (B, D) -> (q, k, v) each (B, N, heads, D/heads), and what
+        post_attention needs: the normalised x and the modulations (each (B, D))."""
         modulations = self.adaLN_modulation(c).chunk(self.num_modulations, dim=1)
         shift_msa, scale_msa = modulations[:2]
-        return self.attn.heads(modulate(self.norm1(x), shift_msa, scale_msa)), modulations
+        normed = self.norm1(x)  # computed once: MMDiT-X's attn2 reads it too
+        return self.attn.heads(modulate(normed, shift_msa, scale_msa)), normed, modulations
 
     def post_attention(
-        self, x: torch.Tensor, attn_out: torch.Tensor, modulations: Sequence[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        normed: torch.Tensor,
+        attn_out: torch.Tensor,
+        modulations: Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """x (B, N, D) the stream's input, attn_out (B, N, D) its rows of the joint attention
-        -> (B, N, D): the gated attention and (MMDiT-X) attn2 residuals, then the gated MLP."""
+        """x (B, N, D) the stream's input, normed its norm1, attn_out (B, N, D) its rows of the
+        joint attention -> (B, N, D): the gated attention and (MMDiT-X) attn2 residuals, then
+        the gated MLP."""
         _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp, *second = modulations
-        update = gate_msa.unsqueeze(1) * self.attn.proj(attn_out)
-        if second:  # MMDiT-X: image-only attention on the same normalised input x
+        x = x + gate_msa.unsqueeze(1) * self.attn.proj(attn_out)
+        if second:  # MMDiT-X: image-only attention on the same normalised input
             shift_msa2, scale_msa2, gate_msa2 = second
-            update2 = gate_msa2.unsqueeze(1) * self.attn2(
-                modulate(self.norm1(x), shift_msa2, scale_msa2)
-            )
-            x = x + update + update2
-        else:
-            x = x + update
+            x = x + gate_msa2.unsqueeze(1) * self.attn2(modulate(normed, shift_msa2, scale_msa2))
         return x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
 
 
@@ -182,16 +228,19 @@ class JointBlock(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """context (B, T, D) text tokens, x (B, N, D) image tokens, c (B, D) -> (context or
         None after the pre_only block, x)."""
-        context_qkv, context_mods = self.context_block.pre_attention(context, c)
-        x_qkv, x_mods = self.x_block.pre_attention(x, c)
-        # One attention over [text; image]: (B, heads, T + N, D/heads) for q, k and v.
-        q, k, v = (torch.cat(pair, dim=2) for pair in zip(context_qkv, x_qkv, strict=True))
+        context_qkv, context_normed, context_mods = self.context_block.pre_attention(context, c)
+        x_qkv, x_normed, x_mods = self.x_block.pre_attention(x, c)
+        # One attention over [text; image]: (B, T + N, heads, D/heads) for q, k and v.
+        q, k, v = (torch.cat(pair, dim=1) for pair in zip(context_qkv, x_qkv, strict=True))
         out = attention(q, k, v)  # (B, T + N, D)
         context_out, x_out = out.split([context.shape[1], x.shape[1]], dim=1)
-        x = self.x_block.post_attention(x, x_out, x_mods)
+        x = self.x_block.post_attention(x, x_normed, x_out, x_mods)
         if self.context_block.pre_only:
             return None, x
-        return self.context_block.post_attention(context, context_out, context_mods), x
+        context = self.context_block.post_attention(
+            context, context_normed, context_out, context_mods
+        )
+        return context, x
 
 
 class VectorEmbedder(nn.Module):

@@ -53,9 +53,35 @@ def output_gap(module, ours, theirs, batch) -> str:
     return f"outputs, ours - diffusers: max |diff| {gap:.2e} (mean |out| {out.abs().mean():.2f})"
 
 
-def seconds_per_step(module, args, device, network) -> dict[str, float]:
+def saved_activations(module, ours, theirs, batch) -> str:
+    """The activation memory of a step without the allocator's noise: the bytes of the distinct
+    tensors autograd keeps from the forward for the backward (weights not counted)."""
+    import torch
+
+    sizes = {}
+    for label, model in (("ours", ours), ("diffusers", theirs)):
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = {}
+
+        def pack(tensor, kept=kept, weights=weights):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in weights:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module.forward(model, batch)
+        sizes[label] = sum(kept.values())
+    return (
+        f"activations kept for the backward: ours {sizes['ours'] / 2**20:.0f} MiB, diffusers "
+        f"{sizes['diffusers'] / 2**20:.0f} MiB ({sizes['ours'] / sizes['diffusers']:.2f}x)"
+    )
+
+
+def seconds_per_step(module, args, device, network, memory: bool = False) -> dict[str, float]:
     """Median seconds of a step of each side, A B B A ...; with `--cpu-seconds` on a CPU, in
-    CPU seconds on one thread (a shared machine's wall clock swings several-fold)."""
+    CPU seconds on one thread (a shared machine's wall clock swings several-fold). With `memory`
+    it also prints both sides' activations kept for the backward."""
     import time
 
     import torch
@@ -70,6 +96,8 @@ def seconds_per_step(module, args, device, network) -> dict[str, float]:
     ours, theirs = module.build_models(device, network)
     batch = module.inputs(device, network)
     print(f"{module.TITLE}: {output_gap(module, ours, theirs, batch)}", flush=True)
+    if memory:
+        print(f"{module.TITLE}: {saved_activations(module, ours, theirs, batch)}", flush=True)
     models = {"diffusers": theirs, "ours": ours}
     steps = {}
     for label, model in models.items():  # the same optimizer on both sides: fused AdamW
@@ -124,14 +152,15 @@ def measure_memory(module_name: str, which: str, device, network) -> dict[str, i
 
 def section(module, args, device, network, memory: bool = False) -> list[str]:
     """The markdown rows of one backbone section: img/s of each side and ours / diffusers; with
-    `memory`, the peak of a step and ours / diffusers too."""
-    seconds = seconds_per_step(module, args, device, network)
+    `memory`, the peak of a step, ours / diffusers of it and of the step's part above the memory
+    before it."""
+    seconds = seconds_per_step(module, args, device, network, memory)
     cpu_seconds = getattr(args, "cpu_seconds", False) and device.type == "cpu"
     speed = "img/CPU-s (1 thread)" if cpu_seconds else "img/s"
     header = f"| {module.TITLE} | dtype | {speed} | vs diffusers |"
     if memory:
         peaks = {w: measure_memory(module.__name__, w, device, network) for w in SIDES}
-        header += " peak memory | ours / diffusers (peak) |"
+        header += " peak memory | ours / diffusers (peak) | ours / diffusers (step) |"
     rows = [header, "|---" * header.count(" |") + "|"]
     for label in SIDES:
         row = (
@@ -139,8 +168,11 @@ def section(module, args, device, network, memory: bool = False) -> list[str]:
             f"{seconds['diffusers'] / seconds[label]:.2f}x |"
         )
         if memory:
+            # The peak holds the weights, gradients and AdamW state, alike on both sides; the
+            # step's own part (activations, gradients, temporaries) is where they differ.
             ratio = peaks[label]["peak"] / peaks["diffusers"]["peak"]
-            row += f" {peaks[label]['peak'] / 2**20:.0f} MiB | {ratio:.2f}x |"
+            step = peaks[label]["step"] / peaks["diffusers"]["step"]
+            row += f" {peaks[label]['peak'] / 2**20:.0f} MiB | {ratio:.2f}x | {step:.2f}x |"
         rows.append(row)
         print(row, flush=True)
     return rows

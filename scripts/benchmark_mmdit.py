@@ -4,11 +4,13 @@
 SD 3.5 Medium (MMDiT-X: QK RMSNorm, the image-only `attn2` in the first blocks) at its width
 1536 (24 heads of 64), context 4096 and pooled 2048, with 2 joint blocks instead of 24 (block 0
 with attn2, block 1 the pre_only last one) and a 64^2-patch position table instead of 384^2;
-batch 1 of 32x32x16 latents (256 image tokens, a 256 px image) and 154 text tokens (77 CLIP +
-77 T5 instead of 77 + 256). diffusers' SD3Transformer2DModel in the same structure holds our
+batch 1 of 64x64x16 latents (1024 image tokens, a 512 px image) and 154 text tokens (77 CLIP +
+77 T5; the pipeline's default T5 length is 256). diffusers' SD3Transformer2DModel in the same structure holds our
 weights (diffusers' own single-file converter). Both take the same inputs and the same fused
-AdamW (ldm.optim), fp32, flow-matching MSE on the velocity; they take turns step by step. The
-peak memory of a step is measured for each side in its own process (RSS on CPU).
+AdamW (ldm.optim), fp32, flow-matching MSE on the velocity; they take turns step by step
+(`--cpu-seconds`: CPU seconds on one thread, for a shared machine). The peak memory of a step is
+measured for each side in its own process (RSS on CPU), and ours / diffusers of the step's own
+part above the memory before it (weights, AdamW state: the same on both sides).
 
     python scripts/benchmark.py --only mmdit --steps 3 --warmup 1
 """
@@ -28,7 +30,7 @@ NETWORK = dict(
     qk_norm=True,
     dual_attention_layers=[0],
 )
-BATCH, LATENT, TOKENS = 1, 32, 154
+BATCH, LATENT, TOKENS = 1, 64, 154
 TITLE = (
     f"SD 3.5 Medium-structure MMDiT train step (batch {BATCH}, {LATENT}x{LATENT}x16, {TOKENS} "
     "text tokens, width 1536, 2 joint blocks)"

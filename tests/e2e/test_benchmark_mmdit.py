@@ -18,7 +18,7 @@ TINY = dict(
     in_channels=16,
     context_dim=4096,
     pooled_dim=2048,
-    pos_embed_max_size=16,
+    pos_embed_max_size=32,  # the section's 64x64 latent is 32x32 patches
     qk_norm=True,
     dual_attention_layers=[0],
 )
@@ -37,16 +37,17 @@ def test_both_sides_compute_the_same_function():
 
 
 @pytest.mark.slow  # two child processes (one per side) import torch and diffusers: ~25 s
-def test_section_prints_speed_and_memory_ratios():
+def test_section_prints_speed_and_memory_ratios(capsys):
     args = argparse.Namespace(steps=1, warmup=0)
     rows = benchmark_mmdit.mmdit_section(args, torch.device("cpu"), TINY)
     header, rule, *sides = rows
-    assert header.count(" |") == rule.count("|---") == 6
+    assert header.count(" |") == rule.count("|---") == 7
     assert [row.split(" | ")[0] for row in sides] == ["| diffusers", "| ours"]
     diffusers, ours = ([cell.strip() for cell in row.strip("|").split("|")] for row in sides)
-    assert diffusers[3] == "1.00x" and diffusers[5] == "1.00x"  # the reference side
+    assert diffusers[3] == diffusers[5] == diffusers[6] == "1.00x"  # the reference side
     assert float(ours[3].rstrip("x")) > 0 and ours[4].endswith("MiB")
     assert float(ours[4].split()[0]) > 0
+    assert "activations kept for the backward: ours" in capsys.readouterr().out
 
 
 def test_benchmark_runs_the_row_by_name():

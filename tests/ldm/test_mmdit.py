@@ -11,8 +11,9 @@ every parameter.
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from ldm.mmdit import MMDiT, sd3_medium, sd3_pos_embed, sd35_large, sd35_medium
+from ldm.mmdit import MMDiT, QKNorm, sd3_medium, sd3_pos_embed, sd35_large, sd35_medium
 
 diffusers = pytest.importorskip("diffusers")
 single_file_utils = pytest.importorskip("diffusers.loaders.single_file_utils")
@@ -207,6 +208,78 @@ def test_tiny_matches_diffusers_forward_and_every_gradient(variant):
         # fp32 sums in another order: tolerance relative to the tensor's largest entry
         atol = 1e-5 * grad.abs().max().item()
         torch.testing.assert_close(ours_grads[name], grad, rtol=1e-4, atol=atol, msg=name)
+
+
+# torch warns that a bf16 input with an fp32 weight skips its fused kernel: the reference is fine.
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_is_torch_rms_norm_and_keeps_the_output_not_the_input(dtype):
+    """QKNorm against torch's own `F.rms_norm`: output, input gradient and weight gradient; and
+    what its backward keeps: the input is a view of the fused q, k, v projection, which must not
+    stay alive through it (the memory promise of issue 33 item 9)."""
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 7, 3, 4, 16).to(dtype)  # (B, N, q/k/v, heads, head dim)
+    norm = QKNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16) * 0.5 + 1)
+    weight = norm.weight.detach().clone().requires_grad_()
+    ours_in, ref_in = qkv.clone().requires_grad_(), qkv.clone().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = norm(ours_in[:, :, 0])
+    assert saved and all(
+        t.untyped_storage().data_ptr() != ours_in.untyped_storage().data_ptr() for t in saved
+    )
+    ref = F.rms_norm(ref_in[:, :, 0], (16,), weight, eps=1e-6)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert out.dtype == ref.dtype
+    torch.testing.assert_close(out, ref, **tol)
+    upstream = torch.randn(out.shape)
+    (out * upstream).sum().backward()
+    (ref * upstream).sum().backward()
+    torch.testing.assert_close(ours_in.grad, ref_in.grad, **tol)
+    torch.testing.assert_close(norm.weight.grad, weight.grad, **tol)
+
+
+def saved_activation_bytes(model: torch.nn.Module, run) -> int:
+    """Bytes of the distinct storages autograd keeps for the backward of `run()`, weights not
+    counted: the activation memory of a training step."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(kept.values())
+
+
+def test_training_step_keeps_fewer_activations_than_diffusers():
+    """Issue 33 item 9 (memory <= 1x): at the same weights and inputs, the forward of ours leaves
+    fewer bytes for the backward than diffusers' SD3Transformer2DModel (3.5 Medium structure:
+    QK RMSNorm and attn2). Counted by autograd's own saved-tensor hooks, not timed."""
+    ours, theirs = tiny_pair("sd35_medium")
+    torch.manual_seed(1)
+    x, t = torch.randn(1, 4, 16, 16), torch.rand(1) * 1000  # 64 image tokens
+    context, pooled = torch.randn(1, 16, TINY["context_dim"]), torch.randn(1, TINY["pooled_dim"])
+    mine = saved_activation_bytes(
+        ours, lambda: ours(x, t, {"crossattn": context, "vector": pooled})
+    )
+    reference = saved_activation_bytes(
+        theirs,
+        lambda: theirs(
+            hidden_states=x,
+            encoder_hidden_states=context,
+            pooled_projections=pooled,
+            timestep=t,
+            return_dict=False,
+        ),
+    )
+    assert mine < 0.95 * reference, (mine, reference)
 
 
 def test_gradient_checkpointing_keeps_output_and_gradients():
