@@ -47,7 +47,7 @@ Sections (each prints a markdown table; ratios are ours / diffusers, > 1 = we ar
   weights, the same fused AdamW, fp32 (scripts/benchmark_flux.py).
 - quant_lora: a LoRA step of that Flux on an int8 / nf4 / fp8 frozen base against diffusers + peft
   + bitsandbytes, speed and peak-memory ratios (scripts/benchmark_quant_lora.py).
-- mmdit: one SD 3.5 Medium-structure MMDiT training step (width 1536, 2 joint blocks, 32x32x16
+- mmdit: one SD 3.5 Medium-structure MMDiT training step (width 1536, 2 joint blocks, 64x64x16
   latent, 154 text tokens, batch 1) against diffusers' SD3Transformer2DModel holding the same
   weights, the same fused AdamW, fp32, and the peak memory of each (scripts/benchmark_mmdit.py).
 Median of `--steps` steps after `--warmup`. The device is CUDA when present, else CPU.
