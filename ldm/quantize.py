@@ -100,7 +100,12 @@ class Fp8Linear(Fp8Storage):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
-        return _Fp8Op.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype, None)
+        # 2-d through the Function: F.linear returns a 3-d input's output as a view, and a view
+        # made inside an autograd Function may not be modified in place (the blocks'
+        # `ff(x).add_(x)`); the reshape back outside it is an ordinary view, and costs no copy
+        rows = x.to(dtype).reshape(-1, self.in_features)
+        out = _Fp8Op.apply(rows, self.weight, self.weight_scale, bias, dtype, None)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 class Fp8Conv2d(Fp8Storage):
