@@ -258,8 +258,10 @@ class SingleStreamBlock(nn.Module):
         """x (B, T + N, D) -> (B, T + N, D)."""
         shift, scale, gate = self.modulation(vec)  # each (B, 1, D)
         hidden = self.linear1(shifted(self.pre_norm(x), shift, scale))
-        qkv, mlp_in = hidden.split([3 * self.hidden_size, self.mlp_hidden], dim=-1)
-        q, k, v = split_heads(qkv, self.num_heads)
+        # one split into views: the backward gathers the four gradients with one copy (a split
+        # of [q k v] and then an unbind of it would copy the q, k, v gradients twice)
+        *qkv, mlp_in = hidden.split([self.hidden_size] * 3 + [self.mlp_hidden], dim=-1)
+        q, k, v = (part.unflatten(-1, (self.num_heads, -1)) for part in qkv)  # (B, L, heads, hd)
         q, k = self.norm(q, k, v)
         out = torch.cat([attention(q, k, v, rotation), self.mlp_act(mlp_in)], dim=-1)
         return gated(x, gate, self.linear2(out))
