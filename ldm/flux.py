@@ -64,14 +64,15 @@ def image_seq_len(height: int, width: int, patch_size: int = 2) -> int:
 
 
 def rope(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> torch.Tensor:
-    """Position ids (B, L, n_axes) -> rotations (2, B, 1, L, head_dim): cos and signed sin.
+    """Position ids (B, L, n_axes) -> rotations (B, L, 1, head_dim / 2), complex64: e^(i angle).
 
     Axis i takes axes_dim[i] channels, i.e. axes_dim[i] / 2 rotation planes, plane j turning by
     position * theta^(-2j / axes_dim[i]) (RoPE eq. 15); the planes of all axes are concatenated.
-    Channels 2j and 2j + 1 (plane j) both get cos(angle_j); sin comes signed (-sin, +sin), so
-    that the rotation is x cos + swap(x) sin (`apply_rope`): BFL's 2x2 matrices [[cos, -sin],
-    [sin, cos]] per plane, laid out once per forward for elementwise products on whole heads.
-    Computed in float64 (positions up to a few hundred times the fastest frequency), kept float32.
+    Channels (2j, 2j + 1) of a head are plane j, read as the complex number x_2j + i x_2j+1, so
+    the rotation by angle_j is one complex product (RoPE sec. 3.4.2; BFL's 2x2 matrices
+    [[cos, -sin], [sin, cos]] per plane are the same map). Laid out token-major, a size-1 head
+    axis, to multiply (B, L, heads, head_dim / 2) queries and keys. Angles in float64
+    (positions up to a few hundred times the fastest frequency), the rotations complex64.
     """
     angles = []
     for axis, dim in enumerate(axes_dim):
@@ -80,29 +81,32 @@ def rope(ids: torch.Tensor, axes_dim: Sequence[int], theta: float) -> torch.Tens
         )
         angles.append(ids[..., axis].double()[..., None] * omega)  # (B, L, dim / 2)
     angle = torch.cat(angles, dim=-1)  # (B, L, head_dim / 2)
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    cos = torch.stack([cos, cos], dim=-1).flatten(-2)  # (B, L, head_dim)
-    sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
-    return torch.stack([cos, sin]).float().unsqueeze(2)  # (2, B, 1, L, head_dim)
+    return torch.polar(torch.ones_like(angle), angle).to(torch.complex64).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """x (B, heads, L, head_dim) -> x with channel pairs (2j, 2j + 1) rotated by plane j's angle:
-    (x_2j cos - x_2j+1 sin, x_2j+1 cos + x_2j sin), in float32 (BFL's apply_rope)."""
-    cos, sin = rotation
-    x32 = x.float()
-    swapped = x32.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # (x_2j+1, x_2j) per pair
-    return (x32 * cos + swapped * sin).type_as(x)
+    """x (B, L, heads, head_dim) -> x with channel pairs (2j, 2j + 1) rotated by plane j's angle:
+    (x_2j cos - x_2j+1 sin, x_2j+1 cos + x_2j sin), in float32 (BFL's apply_rope), as
+    (x_2j + i x_2j+1) e^(i angle): one complex multiply forward and one backward, where the real
+    form takes a pair swap (a copy) and four passes over x. `view_as_complex` needs a last
+    stride of 1 (QK-norm's output is a fresh tensor)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, L, heads, D / 2)
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)
 
 
 def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor
 ) -> torch.Tensor:
-    """q, k, v (B, heads, L, head_dim) -> (B, L, heads * head_dim), q and k rotated first."""
+    """q, k, v (B, L, heads, head_dim) -> (B, L, heads * head_dim), q and k rotated first.
+
+    Token-major (as ldm.mmdit): the double block's [text; image] concatenation is a plain copy,
+    SDPA takes the (B, heads, L, head_dim) views as they are, and its output comes back in
+    token-major layout, so no layout copy before the projection (BFL's rearrange
+    "B L (K H D) -> K B H L D" and "B H L D -> B L (H D)" copy both ways)."""
     q, k = apply_rope(q, rotation), apply_rope(k, rotation)
-    out = F.scaled_dot_product_attention(q, k, v)  # (B, heads, L, head_dim)
-    b, heads, length, head_dim = out.shape
-    return out.transpose(1, 2).reshape(b, length, heads * head_dim)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    b, _, length, _ = out.shape
+    return out.transpose(1, 2).reshape(b, length, -1)
 
 
 # --- layers -------------------------------------------------------------------------------------
@@ -146,9 +150,10 @@ class QKNorm(nn.Module):
 
 
 def split_heads(qkv: torch.Tensor, num_heads: int):
-    """(B, L, 3 D) laid out (q | k | v, each heads x head_dim) -> q, k, v (B, heads, L, D/heads)."""
+    """(B, L, 3 D) laid out (q | k | v, each heads x head_dim) -> q, k, v (B, L, heads, D/heads),
+    views (token-major: no copy)."""
     b, length, _ = qkv.shape
-    return qkv.view(b, length, 3, num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    return qkv.view(b, length, 3, num_heads, -1).unbind(2)
 
 
 class SelfAttention(nn.Module):
@@ -162,7 +167,7 @@ class SelfAttention(nn.Module):
         self.proj = nn.Linear(hidden_size, hidden_size)
 
     def heads(self, x: torch.Tensor):
-        """x (B, L, D) modulated -> q, k, v (B, heads, L, D/heads), q and k normalised."""
+        """x (B, L, D) modulated -> q, k, v (B, L, heads, D/heads), q and k normalised."""
         q, k, v = split_heads(self.qkv(x), self.num_heads)
         q, k = self.norm(q, k, v)
         return q, k, v
@@ -219,7 +224,7 @@ class DoubleStreamBlock(nn.Module):
         img_mods, txt_mods = self.img_mod(vec), self.txt_mod(vec)
         img_qkv = self.img_attn.heads(shifted(self.img_norm1(img), *img_mods[:2]))
         txt_qkv = self.txt_attn.heads(shifted(self.txt_norm1(txt), *txt_mods[:2]))
-        q, k, v = (torch.cat(pair, dim=2) for pair in zip(txt_qkv, img_qkv, strict=True))
+        q, k, v = (torch.cat(pair, dim=1) for pair in zip(txt_qkv, img_qkv, strict=True))
         txt_out, img_out = attention(q, k, v, rotation).split([txt.shape[1], img.shape[1]], dim=1)
         img = self._residuals(img, img_out, img_mods, self.img_attn, self.img_norm2, self.img_mlp)
         txt = self._residuals(txt, txt_out, txt_mods, self.txt_attn, self.txt_norm2, self.txt_mlp)
@@ -253,8 +258,10 @@ class SingleStreamBlock(nn.Module):
         """x (B, T + N, D) -> (B, T + N, D)."""
         shift, scale, gate = self.modulation(vec)  # each (B, 1, D)
         hidden = self.linear1(shifted(self.pre_norm(x), shift, scale))
-        qkv, mlp_in = hidden.split([3 * self.hidden_size, self.mlp_hidden], dim=-1)
-        q, k, v = split_heads(qkv, self.num_heads)
+        # one split into views: the backward gathers the four gradients with one copy (a split
+        # of [q k v] and then an unbind of it would copy the q, k, v gradients twice)
+        *qkv, mlp_in = hidden.split([self.hidden_size] * 3 + [self.mlp_hidden], dim=-1)
+        q, k, v = (part.unflatten(-1, (self.num_heads, -1)) for part in qkv)  # (B, L, heads, hd)
         q, k = self.norm(q, k, v)
         out = torch.cat([attention(q, k, v, rotation), self.mlp_act(mlp_in)], dim=-1)
         return gated(x, gate, self.linear2(out))
@@ -405,7 +412,7 @@ class Flux(nn.Module):
         txt = self.txt_in(cond["crossattn"].to(dtype))  # (B, T, D)
         rotation = rope(
             self.position_ids(b, txt.shape[1], h, w, x.device), self.axes_dim, self.theta
-        )  # (2, B, 1, T + N, head_dim): cos, signed sin
+        )  # (B, T + N, 1, head_dim / 2), complex
         for block in self.double_blocks:
             img, txt = self._run(block, img, txt, vec, rotation)
         joint = torch.cat([txt, img], dim=1)  # (B, T + N, D)

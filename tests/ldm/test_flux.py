@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ldm import flow
-from ldm.flux import Flux, flux1_dev, flux1_schnell, flux_shift, image_seq_len
+from ldm.flux import Flux, flux1_dev, flux1_schnell, flux_shift, image_seq_len, rope
 from ldm.layout import flux as layout
 
 diffusers = pytest.importorskip("diffusers")
@@ -188,3 +188,34 @@ def test_bad_input_is_one_clear_error():
         model(torch.randn(1, 4, 7, 8), torch.tensor([1.0]), cond | {"guidance": 1.0})
     with pytest.raises(ValueError, match="axes_dim"):
         Flux(**TINY | {"axes_dim": (4, 8, 8)})
+
+
+def test_complex_rope_compiles_to_the_eager_output_and_gradients():
+    """The RoPE is a complex multiply (`view_as_complex`): torch.compile must trace it whole
+    (fullgraph, AOTAutograd's forward and backward graphs, backend "aot_eager") and give eager's
+    output and gradients, through a double and a single block. Eager itself is held to
+    diffusers' real-valued RoPE above."""
+    torch._dynamo.reset()
+    model, _ = tiny_pair()
+    double, single = model.double_blocks[0], model.single_blocks[0]
+
+    def blocks(img, txt, vec, ids):
+        rotation = rope(ids, model.axes_dim, model.theta)
+        img, txt = double(img, txt, vec, rotation)
+        return single(torch.cat([txt, img], dim=1), vec, rotation)
+
+    torch.manual_seed(2)
+    img, txt, vec = torch.randn(1, 6, 48), torch.randn(1, 3, 48), torch.randn(1, 48)
+    ids = Flux.position_ids(1, 3, 6, 4)
+    results = []
+    for run in (blocks, torch.compile(blocks, backend="aot_eager", fullgraph=True)):
+        model.zero_grad()
+        out = run(img, txt, vec, ids)
+        out.square().sum().backward()
+        results.append(
+            (out.detach(), [p.grad.clone() for p in (*double.parameters(), *single.parameters())])
+        )
+    assert (results[0][0] - torch.cat([txt, img], dim=1)).abs().mean() > 0.05  # blocks at work
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
+    for plain, traced in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(traced, plain, rtol=1e-5, atol=1e-6)
