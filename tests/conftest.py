@@ -21,6 +21,18 @@ torch.set_num_threads(2)
 os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
 
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """Each test leaves os.environ as it found it: a launcher run in this process sets
+    PL_GLOBAL_SEED (seed_everything), MASTER_PORT and more, and a later test's Trainer reads them
+    (Lightning seeds its distributed sampler with PL_GLOBAL_SEED)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def shapes_dir(tmp_path_factory) -> Path:
     """16 generated 32x32 images with captions, in the flat-file layout."""

@@ -36,7 +36,10 @@ class TwoLayers(pl.LightningModule):
 def one_step(**kwargs) -> dict[str, torch.Tensor]:
     """The weights after one SGD step of TwoLayers under Trainer `kwargs`."""
     model = TwoLayers()
-    data = DataLoader(TensorDataset(torch.randn(4, 4, generator=torch.Generator().manual_seed(1))))
+    # One batch of all 4 items, in the loader's order: Lightning would give FSDP a shuffled
+    # DistributedSampler (seeded by PL_GLOBAL_SEED) and the plain run none.
+    items = TensorDataset(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
+    data = DataLoader(items, batch_size=4)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -45,6 +48,7 @@ def one_step(**kwargs) -> dict[str, torch.Tensor]:
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        use_distributed_sampler=False,
         **kwargs,
     )
     was_initialized, environ = torch.distributed.is_initialized(), dict(os.environ)
