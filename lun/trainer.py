@@ -414,8 +414,10 @@ class FSDPGradientClipping(Callback):
                 f"{CLIP_KEY}={max_norm!r}: expected a number > 0 (or null: no clipping)"
             )
         self.max_norm = max_norm
+        self._root = None  # the wrapped model's root FSDP unit, found once per fit
 
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._root = None
         if stage == "fit" and not pl_module.automatic_optimization:
             raise ValueError(
                 f"{CLIP_KEY}: {type(pl_module).__name__} steps its own optimizers (manual "
@@ -423,18 +425,20 @@ class FSDPGradientClipping(Callback):
             )
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        if self._root is None:  # not per step: finding it walks every module
+            from torch.distributed.fsdp import FullyShardedDataParallel
 
-        roots = FullyShardedDataParallel.fsdp_modules(trainer.strategy.model, root_only=True)
-        if len(roots) != 1:
-            raise RuntimeError(f"{CLIP_KEY}: expected one FSDP root unit, found {len(roots)}")
+            roots = FullyShardedDataParallel.fsdp_modules(trainer.strategy.model, root_only=True)
+            if len(roots) != 1:
+                raise RuntimeError(f"{CLIP_KEY}: expected one FSDP root unit, found {len(roots)}")
+            self._root = roots[0]
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None and _optimizer_handles_unscaling(optimizer):
             # Lightning leaves the unscale to such an optimizer's step: unscale here, to clip
             # true gradients (the scaler then steps it without unscaling again).
             scaler.unscale_(optimizer)
         with torch.no_grad():
-            roots[0].clip_grad_norm_(self.max_norm)
+            self._root.clip_grad_norm_(self.max_norm)
 
 
 def build_trainer(

@@ -3,7 +3,6 @@ clipping by norm, so lun.trainer hands it to `FSDPGradientClipping` (FSDP's own
 `clip_grad_norm_`), which must clip as Lightning's plain clipping (`torch.nn.utils.
 clip_grad_norm_`) does on one device. FSDP runs here in-process on one CPU rank (gloo): no fork."""
 
-import os
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -51,15 +50,12 @@ def one_step(**kwargs) -> dict[str, torch.Tensor]:
         use_distributed_sampler=False,
         **kwargs,
     )
-    was_initialized, environ = torch.distributed.is_initialized(), dict(os.environ)
+    was_initialized = torch.distributed.is_initialized()
     try:
         trainer.fit(model, data)
     finally:  # FSDP's one-rank gloo group stays after fit: not for the tests that follow
         if torch.distributed.is_initialized() and not was_initialized:
             torch.distributed.destroy_process_group()
-        # Nor its MASTER_PORT (and the rest Lightning sets): later launches would inherit it.
-        os.environ.clear()
-        os.environ.update(environ)
     return {name: p.detach().clone() for name, p in model.net.named_parameters()}
 
 
