@@ -177,6 +177,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         objective, speed = grouped_settings(flat, objective, speed)
         objective = objectives.build(parameterization, objective)
         self.training_mode = training_mode(lora)  # full fine-tuning, or adapters (`lora:`)
+        self._loss_monitored = False  # set by on_train_start: a callback monitors train/loss
         compile_options = (
             compile_arguments(speed.compile_backbone) if speed.compile_backbone else None
         )
@@ -394,9 +395,14 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
         if 0 < max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch:
             return True
-        monitors = [getattr(callback, "monitor", None) for callback in trainer.callbacks]
-        monitors += [config.monitor for config in trainer.lr_scheduler_configs]
-        return "train/loss" in monitors
+        return self._loss_monitored
+
+    def on_train_start(self) -> None:
+        # Whether a callback or LR scheduler monitors train/loss: fixed for the fit, so found
+        # once here, not at every step that writes no logs (`_loss_needed`).
+        monitors = [getattr(callback, "monitor", None) for callback in self.trainer.callbacks]
+        monitors += [config.monitor for config in self.trainer.lr_scheduler_configs]
+        self._loss_monitored = "train/loss" in monitors
 
     def _accumulation_window(self, per_sample: torch.Tensor, t: torch.Tensor, batch_idx: int):
         """Per-sample losses and t of all micro-batches of this optimizer step so far.
