@@ -206,9 +206,13 @@ class AutoencoderKLTraining(ManualOptimizationContract, AutoencoderKL, pl.Lightn
             # Through the strategy (scaling, hooks), not LightningOptimizer: no second step count.
             self.trainer.strategy.optimizer_step(opt_d.optimizer, closure=lambda: None, model=self)
 
-        logs = {**g_log, **d_log}
-        self.log_dict({f"train/{k}": v for k, v in logs.items()}, batch_size=len(x))
-        self.log("train/loss", g_log["total_loss"], prog_bar=True, batch_size=len(x))
+        # Which steps log: `logs_this_step` (ldm.model_contract owns the rule).
+        logs = self.logs_this_step()
+        if logs:
+            parts = {**g_log, **d_log}
+            self.log_dict({f"train/{k}": v for k, v in parts.items()}, batch_size=len(x))
+        if logs or self.metric_read_this_step("train/loss"):
+            self.log("train/loss", g_log["total_loss"], batch_size=len(x))
         return g_log["total_loss"]
 
     def _scaler(self, index: int):

@@ -177,7 +177,6 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         objective, speed = grouped_settings(flat, objective, speed)
         objective = objectives.build(parameterization, objective)
         self.training_mode = training_mode(lora)  # full fine-tuning, or adapters (`lora:`)
-        self._loss_monitored = False  # set by on_train_start: a callback monitors train/loss
         compile_options = (
             compile_arguments(speed.compile_backbone) if speed.compile_backbone else None
         )
@@ -362,10 +361,9 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         loss, per_sample, t = self.diffusion_loss(batch)
         per_sample, t = self._accumulation_window(per_sample, t, batch_idx)
         batch_size = per_sample.shape[0]
-        # Not prog_bar: Lightning turns progress-bar values into numbers after every batch (a
-        # host-device sync per step); the progress bar shows its own smoothed loss.
-        logs = self._trainer is None or self.trainer._logger_connector.should_update_logs
-        if logs or self._loss_needed():
+        # Which steps log: `logs_this_step` (ldm.model_contract owns the rule).
+        logs = self.logs_this_step()
+        if logs or self.metric_read_this_step("train/loss"):
             self.log("train/loss", per_sample.mean(), batch_size=batch_size)
         if not logs:
             return loss  # the per-t losses need host reads: only on the steps that log
@@ -383,26 +381,6 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
                 batch_size=int((bucket == b).sum()),
             )
         return loss
-
-    def _loss_needed(self) -> bool:
-        """Log `train/loss` on a step that writes no logs? Lightning's `self.log` costs ~1.5 % of
-        a tiny step, so only on the last step (what `trainer.callback_metrics` holds after the
-        fit) and, when a callback or LR scheduler monitors it, on every step (such a reader
-        takes `trainer.callback_metrics` on steps of its own)."""
-        trainer = self.trainer
-        if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
-            return True
-        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
-        if 0 < max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch:
-            return True
-        return self._loss_monitored
-
-    def on_train_start(self) -> None:
-        # Whether a callback or LR scheduler monitors train/loss: fixed for the fit, so found
-        # once here, not at every step that writes no logs (`_loss_needed`).
-        monitors = [getattr(callback, "monitor", None) for callback in self.trainer.callbacks]
-        monitors += [config.monitor for config in self.trainer.lr_scheduler_configs]
-        self._loss_monitored = "train/loss" in monitors
 
     def _accumulation_window(self, per_sample: torch.Tensor, t: torch.Tensor, batch_idx: int):
         """Per-sample losses and t of all micro-batches of this optimizer step so far.

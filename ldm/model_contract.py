@@ -103,6 +103,37 @@ class TrainingContract:
         "model_parallel", "single"), as one line naming the key to change; None when it can."""
         return None
 
+    # --- which training steps log -------------------------------------------------------------
+    # A value given to Lightning's `self.log` becomes a number on the host (a host-device sync
+    # on an accelerator) when the logger writes it or the progress bar shows it, and each call
+    # costs ~1.5 % of a tiny step even when nothing reads it. So a training step logs on the
+    # steps the logger writes (`log_every_n_steps`) and logs its loss otherwise only where it is
+    # read: the last step (what `trainer.callback_metrics` holds after the fit) and, when a
+    # callback or LR scheduler monitors it, every step. Nothing goes to the progress bar: ours
+    # shows the smoothed loss `training_step` returns.
+    _monitored_metrics: frozenset = frozenset()  # found once per fit (on_train_start)
+
+    def logs_this_step(self) -> bool:
+        """Whether the logger writes at this training step (always, without a trainer)."""
+        return self._trainer is None or self.trainer._logger_connector.should_update_logs
+
+    def metric_read_this_step(self, key: str) -> bool:
+        """Whether `key` must be logged at a step the logger does not write."""
+        if key in self._monitored_metrics:
+            return True
+        trainer = self.trainer
+        if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+            return True
+        max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
+        return 0 < max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch
+
+    def on_train_start(self) -> None:
+        # What callbacks and LR schedulers monitor is fixed for the fit: found once here, not
+        # at every step that writes no logs.
+        monitors = [getattr(callback, "monitor", None) for callback in self.trainer.callbacks]
+        monitors += [config.monitor for config in self.trainer.lr_scheduler_configs]
+        self._monitored_metrics = frozenset(m for m in monitors if m)
+
 
 class ManualOptimizationContract(TrainingContract):
     """A module that steps two optimizers per batch itself (the VAE's generator and

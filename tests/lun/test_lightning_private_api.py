@@ -206,7 +206,7 @@ def test_model_checkpoint_trigger_attributes():
 
 
 def test_trainer_says_whether_this_step_logs():
-    """ldm/diffusion.py computes the per-timestep losses (host reads) only on logging steps, as
+    """ldm/model_contract.py logs (host reads) only on logging steps, as
     `trainer._logger_connector.should_update_logs` says; a rename would raise on every step."""
     trainer = Trainer(
         accelerator="cpu",
@@ -219,5 +219,5 @@ def test_trainer_says_whether_this_step_logs():
     connector = getattr(trainer, "_logger_connector", None)
     flag = getattr(connector, "should_update_logs", None)
     assert isinstance(flag, bool), lightning_failure(
-        "ldm/diffusion.py", "trainer._logger_connector.should_update_logs"
+        "ldm/model_contract.py", "trainer._logger_connector.should_update_logs"
     )

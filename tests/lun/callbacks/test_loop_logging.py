@@ -91,3 +91,56 @@ def test_a_monitored_loss_is_logged_every_step(tmp_path):
     assert logged_at == [1, 2, 3, 4]
     assert best.best_model_score is not None
     assert float(best.best_model_score) == min(losses[2], losses[4])
+
+
+def test_the_autoencoder_logs_its_losses_only_on_logging_steps_and_the_last(tmp_path):
+    """The VAE's step (two optimizers, manual optimization) follows the same rule: its ~10 loss
+    parts on the steps that write logs, with that step's values; train/loss also on the last."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from vae_helpers import DDCONFIG, LOSS
+
+    from ldm.autoencoder_training import autoencoder_kl
+
+    torch.manual_seed(0)
+    model = autoencoder_kl(ddconfig=DDCONFIG, lossconfig=LOSS, embed_dim=4, learning_rate=1e-4)
+    logged_at: dict[str, list[int]] = {}
+    log = model.log
+
+    def counted_log(name, value, *args, **kwargs):  # log_dict calls it for each value too
+        logged_at.setdefault(name, []).append(model.trainer.global_step)
+        return log(name, value, *args, **kwargs)
+
+    model.log = counted_log
+    losses = StepLosses()
+    losses.on_train_batch_end = lambda trainer, module, outputs, batch, i: losses.losses.update(
+        {trainer.global_step: float(outputs["loss"])}
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        max_steps=5,
+        log_every_n_steps=2,
+        logger=CSVLogger(tmp_path, name="csv"),
+        callbacks=[losses],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    images = [{"image": torch.rand(3, 32, 32) * 2 - 1} for _ in range(10)]
+    trainer.fit(model, DataLoader(images, batch_size=2))
+    # Optimizer steps counted after the generator's step (1-based here): logs at 2 and 4.
+    assert logged_at["train/rec_loss"] == [2, 4]
+    assert logged_at["train/disc_loss"] == [2, 4]
+    assert logged_at["train/loss"] == [2, 4, 5]
+    with open(Path(trainer.logger.log_dir) / "metrics.csv") as file:
+        written = {
+            int(row["step"]): float(row["train/loss"])
+            for row in csv.DictReader(file)
+            if row.get("train/loss")
+        }
+    assert written.keys() == {1, 3}  # Lightning's 0-based step of the writes at 2 and 4
+    for step, value in written.items():
+        assert abs(value - losses.losses[step + 1]) <= 1e-6 * abs(losses.losses[step + 1])
+    assert float(trainer.callback_metrics["train/loss"]) == losses.losses[5]
