@@ -393,6 +393,21 @@ def fsdp_clipping(kwargs: dict):
     return FSDPGradientClipping(float(value))
 
 
+def clipping_problem(model, trainer) -> str | None:
+    """Why `trainer` cannot clip `model`'s gradients (None: it can, or nothing is clipped). A
+    module that steps its own optimizers (manual optimization: the VAE) is never clipped by
+    Lightning: its fit would stop on the first batch, after the run folder was made."""
+    clips = trainer.gradient_clip_val is not None or any(
+        isinstance(callback, FSDPGradientClipping) for callback in trainer.callbacks
+    )
+    if clips and not model.automatic_optimization:
+        return (
+            f"{CLIP_KEY}: {type(model).__name__} steps its own optimizers (manual "
+            "optimization), which Lightning does not clip; remove gradient_clip_val"
+        )
+    return None
+
+
 class FSDPGradientClipping(Callback):
     """Clip the gradient's total norm (all ranks' shards) to `max_norm` before each optimizer
     step, with FSDP's own `clip_grad_norm_` on the root unit.
@@ -418,11 +433,8 @@ class FSDPGradientClipping(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self._root = None
-        if stage == "fit" and not pl_module.automatic_optimization:
-            raise ValueError(
-                f"{CLIP_KEY}: {type(pl_module).__name__} steps its own optimizers (manual "
-                "optimization), which Lightning does not clip; remove gradient_clip_val"
-            )
+        if stage == "fit" and (problem := clipping_problem(pl_module, trainer)):
+            raise ValueError(problem)  # a bare Trainer's fit; main.py asks before the run folder
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         if self._root is None:  # not per step: finding it walks every module

@@ -101,6 +101,32 @@ def test_strategies_it_cannot_run_are_one_line_before_the_run_folder(
     assert not logs.exists() or not any(logs.iterdir())
 
 
+@pytest.mark.parametrize("strategy", ["auto", "fsdp"])
+def test_gradient_clipping_is_refused_in_one_line_before_the_run_folder(
+    tmp_path, shapes_dir, strategy
+):
+    """Lightning does not clip a module that steps its own optimizers: `gradient_clip_val` on
+    the VAE stopped its fit at the first batch (a traceback, the run folder made). Under FSDP the
+    clipping is our callback's (lun.trainer.FSDPGradientClipping): refused the same way."""
+    logs = tmp_path / "logs"
+    args = [
+        "--base",
+        str(ROOT / "configs" / "autoencoder" / "tiny.yaml"),
+        f"data.params.train.params.data_root={shapes_dir}",
+        "lightning.trainer.accelerator=cpu",
+        "lightning.trainer.gradient_clip_val=1.0",
+        f"lightning.strategy={strategy}",
+    ]
+    if strategy == "fsdp":
+        args.append("lightning.trainer.devices=2")
+    result = run_main_here([*args, "-l", logs, "-t"], tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("config error")]
+    assert "lightning.trainer.gradient_clip_val:" in line and "manual optimization" in line
+    assert "Traceback" not in result.stderr
+    assert not logs.exists() or not any(logs.iterdir())
+
+
 def test_fsdp_resume_is_refused_in_one_line():
     """FSDP trains the VAE (tests/e2e/test_vae_resume.py), but its checkpoints' optimizer states do
     not match the weights: `--resume` under FSDP stops with a config error naming the way out."""
