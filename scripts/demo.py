@@ -4,6 +4,7 @@
     python scripts/demo.py --max-steps 500  # a shorter (and worse) run
     python scripts/demo.py --config configs/demo/shapes-flow.yaml   # rectified flow (docs/flow.md)
     python scripts/demo.py --config configs/demo/shapes-mmdit.yaml  # a small MMDiT, with flow
+    python scripts/demo.py model.base_learning_rate=2.0e-4  # any main.py override (key=value)
 
 1. makes the synthetic shapes data set with scripts/make_shapes.py, unless it is there;
 2. trains configs/demo/shapes.yaml (and the --config overlays on it) with main.py (a run folder under logs/);
@@ -116,7 +117,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--threads", type=int, help="CPU threads (default: $OMP_NUM_THREADS, else the idle cores)"
     )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key.path=value",
+        help="config overrides passed to main.py after the demo's own (so they win)",
+    )
     args = parser.parse_args(argv)
+    for override in args.overrides:
+        if "=" not in override or override.startswith("="):
+            parser.error(f"{override!r}: an override is key.path=value")
     for overlay in args.config:
         if not (ROOT / overlay).is_file():
             parser.error(f"--config {overlay}: no such file (paths are from {ROOT})")
@@ -135,6 +145,7 @@ def main(argv=None) -> None:
     overrides = [f"data.params.train.params.data_root={data}", *device_overrides(cuda_available())]
     if args.max_steps is not None:
         overrides.append(f"lightning.trainer.max_steps={args.max_steps}")
+    overrides += args.overrides
     configs = [str(CONFIG.relative_to(ROOT)), *args.config]
     name = "demo-" + Path(configs[-1]).stem  # demo-shapes, demo-shapes-flow, ...
     train = ["main.py", "--base", *configs, *overrides, "-n", name, "-l", args.logdir]

@@ -79,7 +79,8 @@ def test_demo_makes_data_trains_draws_and_scores(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # restored after the test; --threads wins
     run_folder.mkdir(parents=True)
     data = tmp_path / "shapes"
-    demo.main(["--data", str(data), "--max-steps", "7", "--threads", "1"])
+    lr = "model.base_learning_rate=2.0e-4"
+    demo.main(["--data", str(data), "--max-steps", "7", "--threads", "1", lr])
 
     assert [call[0] for call in calls] == [
         "scripts/make_shapes.py",
@@ -91,6 +92,7 @@ def test_demo_makes_data_trains_draws_and_scores(tmp_path, monkeypatch, capsys):
     train = calls[1]
     assert f"data.params.train.params.data_root={data}" in train
     assert "lightning.trainer.max_steps=7" in train and "-t" in train
+    assert train.index(lr) > train.index("lightning.trainer.max_steps=7")  # the user's wins
     prompts = (run_folder / "demo-prompts.txt").read_text().splitlines()
     assert len(prompts) == len(demo.PROMPTS)
     assert os.environ["OMP_NUM_THREADS"] == "1"
@@ -99,3 +101,12 @@ def test_demo_makes_data_trains_draws_and_scores(tmp_path, monkeypatch, capsys):
     enlarged = run_folder / "samples" / f"grid-0000-x{demo.ENLARGE}.png"
     assert str(enlarged) in out
     assert Image.open(enlarged).size == (20 * demo.ENLARGE, 38 * demo.ENLARGE)
+
+
+def test_demo_refuses_an_override_without_a_value(capsys):
+    import demo
+
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["model.base_learning_rate"])
+    assert stop.value.code == 2
+    assert "'model.base_learning_rate': an override is key.path=value" in capsys.readouterr().err
