@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny generated image set and the tiny LatentDiffusion config."""
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -21,16 +22,31 @@ torch.set_num_threads(2)
 os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
 
-@pytest.fixture(autouse=True)
-def environment_as_it_was():
-    """Each test leaves os.environ as it found it: a launcher run in this process sets
-    PL_GLOBAL_SEED (seed_everything), MASTER_PORT and more, and a later test's Trainer reads them
-    (Lightning seeds its distributed sampler with PL_GLOBAL_SEED)."""
+@contextlib.contextmanager
+def _environment_restored():
     before = dict(os.environ)
     yield
     if os.environ != before:
         os.environ.clear()
         os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def environment_as_it_was():
+    """Each test leaves os.environ as it found it: a launcher run in this process sets
+    PL_GLOBAL_SEED (seed_everything), MASTER_PORT and more, and a later test's Trainer reads them
+    (Lightning seeds its distributed sampler with PL_GLOBAL_SEED)."""
+    with _environment_restored():
+        yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def environment_as_the_module_found_it():
+    """The same for a module's fixtures: they are set up before the per-test snapshot above, so
+    what one sets (a module-scoped trained model sets PL_GLOBAL_SEED) would otherwise reach every
+    later module's tests."""
+    with _environment_restored():
+        yield
 
 
 @pytest.fixture(scope="session")
