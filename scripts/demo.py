@@ -66,9 +66,15 @@ def idle_cores() -> int:
 def device_overrides(cuda_available: bool) -> list[str]:
     """The trainer's accelerator and precision for this machine: one GPU in bf16-mixed where
     there is one (tensor cores; bf16 needs no loss scaling), else the CPU in fp32 (CPUs without
-    AVX512-bf16/AMX run bf16 autocast ~10x slower)."""
+    AVX512-bf16/AMX run bf16 autocast ~10x slower). On a GPU two loader workers decode the next
+    batches while the step runs (the config's 0 keeps a CPU run's cores for the step; on the
+    H100 the demo waited 9.9 % of its time for data decoded in the step's own process)."""
     if cuda_available:
-        return ["lightning.trainer.accelerator=gpu", "lightning.trainer.precision=bf16-mixed"]
+        return [
+            "lightning.trainer.accelerator=gpu",
+            "lightning.trainer.precision=bf16-mixed",
+            "data.params.num_workers=2",
+        ]
     return ["lightning.trainer.accelerator=cpu", "lightning.trainer.precision=32"]
 
 

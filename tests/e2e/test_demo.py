@@ -110,3 +110,15 @@ def test_demo_refuses_an_override_without_a_value(capsys):
         demo.main(["model.base_learning_rate"])
     assert stop.value.code == 2
     assert "'model.base_learning_rate': an override is key.path=value" in capsys.readouterr().err
+
+
+def test_on_a_gpu_two_loader_workers_decode_ahead_of_the_step():
+    """The demo config decodes in the step's process (a CPU run needs its cores for the step);
+    on a GPU the step does not use the host's cores, so workers decode the next batches."""
+    import demo
+
+    from lun.config import merge_configs
+
+    on_gpu = merge_configs([demo.CONFIG], demo.device_overrides(True))
+    on_cpu = merge_configs([demo.CONFIG], demo.device_overrides(False))
+    assert (on_gpu.data.params.num_workers, on_cpu.data.params.num_workers) == (2, 0)
