@@ -65,7 +65,9 @@ class BlockSwap:
                         tensors.append((module, name, False, self._to_host(b, accelerator)))
             self.host.append(tensors)
         self.loaded: list[int] = []  # blocks on the device, oldest first
-        self.events: dict[int, object] = {}
+        # Blocks whose copy the compute stream has not waited for yet -> the copy's event (None
+        # on the CPU, where copies are done when they return)
+        self.copying: dict[int, object] = {}
         self.last: int | None = None
         for index in range(len(blocks)):
             self._set(index, None)
@@ -93,6 +95,7 @@ class BlockSwap:
         # Allocated on the compute stream (so freed there safely), filled on the side stream
         # once the compute stream's earlier work is done.
         tensors = [torch.empty_like(h, device=self.device) for *_, h in self.host[index]]
+        event = None
         if self.stream is None:
             for tensor, (*_, host) in zip(tensors, self.host[index]):
                 tensor.copy_(host)
@@ -101,30 +104,45 @@ class BlockSwap:
             with self.stream:
                 for tensor, (*_, host) in zip(tensors, self.host[index]):
                     tensor.copy_(host, non_blocking=True)
-            self.events[index] = self.stream.record_event()
+            event = self.stream.record_event()
+        self.copying[index] = event
         self._set(index, tensors)
         self.loaded.append(index)
 
+    def _wait_for_copy(self, index: int) -> None:
+        """Make the compute stream wait (on the device, not the host) until block `index`'s copy
+        is done; once per copy."""
+        event = self.copying.pop(index, None)
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
     def _evict(self, index: int) -> None:
         """Block `index` off the device: its weights are frozen, so the host copy is current."""
+        # A prefetched block may leave before it ever ran (the loads went another way), its copy
+        # still in flight on the side stream. Its tensors belong to the compute stream, and the
+        # caching allocator gives memory freed there to that stream's next allocation at once: it
+        # is "aware of only the stream where a tensor was allocated" (torch docs,
+        # `Tensor.record_stream`); a use on another stream needs that stream's work waited for
+        # before the free (an event, as here) or record_stream. Without the wait, the compute
+        # stream's next tensors could be overwritten by the copy still running.
+        self._wait_for_copy(index)
         self._set(index, None)
         self.loaded.remove(index)
-        self.events.pop(index, None)
 
     def load(self, index: int) -> None:
         """Block `index` on the device, ready for the compute stream, and its successor in the
         running direction (forward: the next block; the backward's recompute: the previous one)
         on its way."""
         step = -1 if self.last is not None and index < self.last else 1
+        if index in (0, len(self.blocks) - 1):  # at an end, the only way is inward
+            step = 1 if index == 0 else -1
         self.last = index
         if index in self.loaded:  # prefetched: now the most recent
             self.loaded.remove(index)
             self.loaded.append(index)
         else:
             self._fetch(index)
-        event = self.events.pop(index, None)
-        if event is not None:
-            torch.accelerator.current_stream(self.device).wait_event(event)
+        self._wait_for_copy(index)
         if self.resident > 1:
             self._fetch(index + step)
 

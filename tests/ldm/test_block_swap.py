@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ldm.block_swap import blocks_of, swap_blocks
+from ldm.block_swap import BlockSwap, blocks_of, swap_blocks
 
 
 def tiny_dit():
@@ -138,6 +138,116 @@ def test_int8_with_block_swap_is_refused_by_name():
 
     with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: not with an int8"):
         parse_settings({"base_quantization": "int8", "blocks_to_swap": 2})
+
+
+# --- the order of copies, waits and evictions (what keeps the device's streams safe) -------------
+
+
+class Recorded(BlockSwap):
+    """The real BlockSwap, its copies, the compute stream's waits for them and its evictions
+    written down in the order they happen."""
+
+    def __init__(self, *args, **kwargs):
+        self.log = []
+        super().__init__(*args, **kwargs)
+
+    def _fetch(self, index):
+        new = index not in self.loaded and 0 <= index < len(self.blocks)
+        super()._fetch(index)
+        if new:
+            self.log.append(("copy", index))
+
+    def _wait_for_copy(self, index):
+        if index in self.copying:
+            self.log.append(("wait", index))
+        super()._wait_for_copy(index)
+
+    def _evict(self, index):
+        super()._evict(index)
+        self.log.append(("evict", index))
+
+
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_a_block_leaves_the_device_only_after_the_compute_stream_waited_for_its_copy(resident):
+    """CUDA's caching allocator reuses memory freed on the compute stream (where the blocks'
+    tensors are allocated) for that stream's next tensors at once, knowing nothing of the side
+    stream (torch docs, `Tensor.record_stream`): a block prefetched, then evicted before it ran,
+    must first have the compute stream wait for its copy. Loads in any order: a forward cut
+    short (an error in block 2) and a new one, then a shuffled order."""
+    swap = Recorded(blocks_of(tiny_dit())[:5], torch.device("cpu"), resident)
+    order = [0, 1, 2, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+    order += torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist() * 3
+    for index in order:
+        swap.load(index)
+        assert index in swap.loaded and index not in swap.copying  # ready for the compute
+    copying = set()
+    for what, index in swap.log:
+        if what == "copy":
+            copying.add(index)
+        elif what == "wait":
+            copying.discard(index)
+        else:
+            assert index not in copying, f"block {index} evicted with its copy in flight"
+    assert ("evict", 2) in swap.log[swap.log.index(("copy", 2)) :]  # the cut-short case ran
+
+
+def test_a_new_pass_has_its_second_block_on_the_way_while_the_first_computes():
+    """The next block is copied in while one computes - also for block 0 of a pass that follows
+    another (sampling: a forward per step), where the last block ran just before."""
+    model = tiny_dit().requires_grad_(False).eval()
+    blocks = blocks_of(model)
+    swap_blocks(model, SWAPPED, torch.device("cpu"), resident=2)
+    present = []
+    first_layer = next(m for m in blocks[0].modules() if type(m) is nn.Linear)
+    first_layer.register_forward_pre_hook(
+        lambda *_: present.append(all(p.numel() > 0 for p in blocks[1].parameters()))
+    )
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    assert present == [True, True, True]
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+def test_a_block_off_the_device_holds_no_memory_there_while_the_graph_waits(kind):
+    """Block swap's point: once a block has left the device its weights' memory there is free,
+    also between the forward and the backward (when the autograd graph of the whole step is
+    alive: the swapped blocks run under activation checkpointing, which saves nothing of
+    them). Any layer keeping its weight in the graph outside autograd's saved tensors would
+    keep every swapped block on the device."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from ldm.lora import quantize_blocks
+
+    model = with_adapters(tiny_dit())
+    if kind != "none":
+        assert quantize_blocks(model, kind, torch.float32) > 0
+    swap = swap_blocks(model, SWAPPED, torch.device("cpu"), resident=2)
+    blocks = blocks_of(model)
+    storages = {index: [] for index in range(SWAPPED)}  # what each block computed with
+
+    def record(index):
+        def hook(*_):
+            for tensor in [*blocks[index].parameters(), *blocks[index].buffers()]:
+                if not tensor.requires_grad:
+                    storages[index].append(StorageWeakRef(tensor.untyped_storage()))
+
+        return hook
+
+    for index in range(SWAPPED):
+        for module in blocks[index].modules():
+            if not list(module.children()):  # every leaf layer, as it runs
+                module.register_forward_pre_hook(record(index))
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    out = model(x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    gone = [index for index in range(SWAPPED) if index not in swap.loaded]
+    assert gone and all(storages[index] for index in gone)
+    held = [index for index in gone if not all(s.expired() for s in storages[index])]
+    assert held == [], f"blocks {held} still hold their weights, off the device"
+    out.square().mean().backward()  # and the backward still runs (reloading them)
 
 
 # --- which blocks: each backbone names them (blocks_in_order), in the order they run ---------
