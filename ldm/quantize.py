@@ -153,7 +153,7 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
 
 class _Nf4Op(torch.autograd.Function):
     """y = x W^T + b with W dequantized from the nf4 bits, in `dtype` (the layer's compute
-    dtype, as bitsandbytes' own forward computes). Used instead of bitsandbytes' MatMul4Bit,
+    dtype), as bitsandbytes' own forward computes it. Used instead of bitsandbytes' MatMul4Bit,
     which keeps its weight on the autograd context (`ctx.tensors`) rather than in the saved
     tensors: activation checkpointing cannot drop it then, so every swapped block's nf4 weight
     stayed on the device from the forward to the backward (`ldm.block_swap`). Here the bits
@@ -164,10 +164,9 @@ class _Nf4Op(torch.autograd.Function):
         import bitsandbytes as bnb
 
         ctx.save_for_backward(bits)
-        ctx.quant_state, ctx.dtype, ctx.has_bias = quant_state, dtype, bias is not None
-        with torch.autocast(x.device.type, enabled=False):  # bitsandbytes' dtype, not autocast's
-            weight = bnb.functional.dequantize_4bit(bits, quant_state).to(dtype)
-            return F.linear(x, weight, bias)
+        ctx.quant_state = quant_state
+        weight = bnb.functional.dequantize_4bit(bits, quant_state).to(dtype)
+        return F.linear(x, weight, bias)  # autocast, when on, applies (as in bitsandbytes' own)
 
     @staticmethod
     def backward(ctx, grad):
@@ -176,8 +175,8 @@ class _Nf4Op(torch.autograd.Function):
         (bits,) = ctx.saved_tensors
         grad_x = grad_bias = None
         if ctx.needs_input_grad[0]:
-            weight = bnb.functional.dequantize_4bit(bits, ctx.quant_state).to(ctx.dtype)
-            grad_x = grad.to(ctx.dtype) @ weight  # (rows, out) @ (out, in)
+            weight = bnb.functional.dequantize_4bit(bits, ctx.quant_state)
+            grad_x = grad @ weight.to(grad.dtype)  # (rows, out) @ (out, in), as bitsandbytes
         if ctx.needs_input_grad[3]:
             grad_bias = grad.sum(0)
         return grad_x, None, None, grad_bias, None

@@ -118,6 +118,26 @@ def test_an_nf4_base_swaps_and_computes_the_same():
         assert torch.equal(swapped(*args), plain(*args))
 
 
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_an_nf4_layer_computes_as_bitsandbytes_own_forward(compute_dtype, autocast):
+    """Our nf4 layers run through their own autograd Function (whose saved bits checkpointing
+    can drop, for block swap); output and input gradient are bitwise bitsandbytes' own
+    `Linear4bit.forward`'s, on the same layer."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantized_layer
+
+    torch.manual_seed(0)
+    layer = quantized_layer(nn.Linear(128, 64).requires_grad_(False), "nf4", compute_dtype)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        ours, theirs = layer(x), bnb.nn.Linear4bit.forward(layer, x)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    (mine,) = torch.autograd.grad(ours.square().sum(), x)
+    (reference,) = torch.autograd.grad(theirs.square().sum(), x)
+    assert torch.equal(mine, reference)
+
+
 def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
     """fp8 layers save their fp8 bytes for the backward (ldm.quantize): under block swap's
     recompute those are the reloaded block's, and the adapters' gradients stay the same."""
