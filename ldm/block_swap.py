@@ -49,7 +49,7 @@ class BlockSwap:
         if resident < 1:
             raise ValueError("block swap: at least one block must fit on the device")
         self.blocks, self.device, self.resident = blocks, torch.device(device), resident
-        accelerator = self.device.type != "cpu"
+        self.pin = accelerator = self.device.type != "cpu"
         # Side stream for the copies, so that they overlap the compute (no streams on the CPU:
         # the same code path runs as plain copies).
         self.stream = torch.Stream(device=self.device) if accelerator else None
@@ -78,9 +78,14 @@ class BlockSwap:
         return host.pin_memory() if pin else host  # pinned: copies can run asynchronously
 
     def _set(self, index: int, tensors: list[torch.Tensor] | None) -> None:
-        """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders."""
-        for i, (module, name, is_parameter, host) in enumerate(self.host[index]):
-            value = tensors[i] if tensors is not None else host.new_empty(0, device=self.device)
+        """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders
+        (in the dtype the module holds each one in now)."""
+        for i, (module, name, is_parameter, _) in enumerate(self.host[index]):
+            if tensors is not None:
+                value = tensors[i]
+            else:
+                current = module._parameters[name] if is_parameter else module._buffers[name]
+                value = torch.empty(0, dtype=current.dtype, device=self.device)
             if is_parameter:
                 module._parameters[name].data = value
             else:
@@ -94,6 +99,7 @@ class BlockSwap:
             self._evict(self.loaded[0])
         # Allocated on the compute stream (so freed there safely), filled on the side stream
         # once the compute stream's earlier work is done.
+        self._follow_dtypes(index)
         tensors = [torch.empty_like(h, device=self.device) for *_, h in self.host[index]]
         event = None
         if self.stream is None:
@@ -108,6 +114,16 @@ class BlockSwap:
         self.copying[index] = event
         self._set(index, tensors)
         self.loaded.append(index)
+
+    def _follow_dtypes(self, index: int) -> None:
+        """A module-wide `.to(dtype)` after the swap - Lightning's true precision converts the
+        model after the `setup` hook - reaches the placeholders only: the host copies follow
+        them (once), as the module's own tensors would have been converted."""
+        for i, (module, name, is_parameter, host) in enumerate(self.host[index]):
+            current = module._parameters[name] if is_parameter else module._buffers[name]
+            if current.dtype != host.dtype:
+                converted = self._to_host(host.to(current.dtype), self.pin)
+                self.host[index][i] = (module, name, is_parameter, converted)
 
     def _wait_for_copy(self, index: int) -> None:
         """Make the compute stream wait (on the device, not the host) until block `index`'s copy

@@ -103,6 +103,26 @@ def test_the_state_dict_is_the_full_weights_whatever_is_loaded():
     model.load_state_dict(before)  # loading fills the host copies
 
 
+def test_a_module_wide_dtype_change_after_the_swap_reaches_the_swapped_weights():
+    """Lightning's true precision (`bf16-true`) converts the whole model after the `setup`
+    hook, where the blocks were swapped: the swapped model then computes, and saves, what the
+    same model converted without swap does."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    precision = HalfPrecision("bf16-true")
+    plain = tiny_dit().requires_grad_(False)
+    swapped = copy.deepcopy(plain)
+    swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    plain, swapped = precision.convert_module(plain), precision.convert_module(swapped)
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    args = (x.to(torch.bfloat16), torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    with torch.no_grad():
+        for _ in range(2):  # blocks loaded, evicted, loaded again
+            assert torch.equal(swapped(*args), plain(*args))
+    expected, state = plain.state_dict(), swapped.state_dict()
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
+
+
 def test_an_nf4_base_swaps_and_computes_the_same():
     pytest.importorskip("bitsandbytes")
     from ldm.quantize import quantize_frozen
