@@ -106,16 +106,20 @@ def test_the_state_dict_is_the_full_weights_whatever_is_loaded():
 def test_a_module_wide_dtype_change_after_the_swap_reaches_the_swapped_weights():
     """Lightning's true precision (`bf16-true`) converts the whole model after the `setup`
     hook, where the blocks were swapped: the swapped model then computes, and saves, what the
-    same model converted without swap does."""
+    same model converted without swap does - also when the conversion finds blocks loaded
+    (here after a first pass in fp32)."""
     from lightning.pytorch.plugins.precision import HalfPrecision
 
     precision = HalfPrecision("bf16-true")
     plain = tiny_dit().requires_grad_(False)
     swapped = copy.deepcopy(plain)
     swap_blocks(swapped, SWAPPED, torch.device("cpu"))
-    plain, swapped = precision.convert_module(plain), precision.convert_module(swapped)
     x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
-    args = (x.to(torch.bfloat16), torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    args = (x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    with torch.no_grad():
+        assert torch.equal(swapped(*args), plain(*args))  # leaves the last blocks loaded
+    plain, swapped = precision.convert_module(plain), precision.convert_module(swapped)
+    args = (x.to(torch.bfloat16), *args[1:])
     with torch.no_grad():
         for _ in range(2):  # blocks loaded, evicted, loaded again
             assert torch.equal(swapped(*args), plain(*args))
