@@ -53,8 +53,13 @@ class BlockSwap:
         # Side stream for the copies, so that they overlap the compute (no streams on the CPU:
         # the same code path runs as plain copies).
         self.stream = torch.Stream(device=self.device) if accelerator else None
+        self.loaded: list[int] = []  # blocks on the device, oldest first
+        # Blocks whose copy the compute stream has not waited for yet -> the copy's event (None
+        # on the CPU, where copies are done when they return)
+        self.copying: dict[int, object] = {}
+        self.last: int | None = None
         self.host = []  # per block: [(module, name, is_parameter, host tensor)]
-        for block in blocks:
+        for index, block in enumerate(blocks):
             tensors = []
             for module in block.modules():
                 for name, p in module.named_parameters(recurse=False):
@@ -64,12 +69,8 @@ class BlockSwap:
                     if b is not None:
                         tensors.append((module, name, False, self._to_host(b, accelerator)))
             self.host.append(tensors)
-        self.loaded: list[int] = []  # blocks on the device, oldest first
-        # Blocks whose copy the compute stream has not waited for yet -> the copy's event (None
-        # on the CPU, where copies are done when they return)
-        self.copying: dict[int, object] = {}
-        self.last: int | None = None
-        for index in range(len(blocks)):
+            # The block's own tensors go now, not once all blocks are copied: on an accelerator
+            # pinning copies them, and host memory would peak at twice the swapped weights.
             self._set(index, None)
 
     @staticmethod

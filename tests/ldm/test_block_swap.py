@@ -211,6 +211,23 @@ class Recorded(BlockSwap):
         self.log.append(("evict", index))
 
 
+def test_each_block_gives_up_its_own_tensors_before_the_next_one_is_copied():
+    """On an accelerator the host copies are new (pinned) memory: made for all blocks before
+    any block let go of its own tensors, host memory would peak at twice the swapped weights.
+    When the last block is copied, only it still holds its own."""
+
+    class Watched(BlockSwap):
+        def _to_host(self, tensor, pin):
+            holding = [any(p.numel() > 0 for p in b.parameters()) for b in self.blocks]
+            self.holding.append(sum(holding))
+            return super()._to_host(tensor, pin)
+
+    Watched.holding = []
+    blocks = blocks_of(tiny_dit().requires_grad_(False))[:SWAPPED]
+    Watched(blocks, torch.device("cpu"))
+    assert Watched.holding[0] == SWAPPED and Watched.holding[-1] == 1
+
+
 @pytest.mark.parametrize("resident", [1, 2, 3])
 def test_a_block_leaves_the_device_only_after_the_compute_stream_waited_for_its_copy(resident):
     """CUDA's caching allocator reuses memory freed on the compute stream (where the blocks'
