@@ -18,6 +18,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# A swapped module's attribute: its frozen tensors' host copies by name (`host_copy`)
+HOST_COPIES = "block_swap_host_copies"
+
+
+def host_copy(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The host copy of `module`'s tensor `name` when block swap holds it (whatever is on the
+    device right now: off the device, the module holds an empty placeholder), else None."""
+    return module.__dict__.get(HOST_COPIES, {}).get(name)
+
 
 def blocks_of(backbone: nn.Module) -> list[nn.Module]:
     """The backbone's blocks in the order they run, as the backbone itself names them
@@ -69,6 +78,8 @@ class BlockSwap:
                     if b is not None:
                         tensors.append((module, name, False, self._to_host(b, accelerator)))
             self.host.append(tensors)
+            for module, name, _, host in tensors:  # for readers of the stored weights
+                module.__dict__.setdefault(HOST_COPIES, {})[name] = host
             # The block's own tensors go now, not once all blocks are copied: on an accelerator
             # pinning copies them, and host memory would peak at twice the swapped weights.
             self._set(index, None)
@@ -124,6 +135,7 @@ class BlockSwap:
             current = module._parameters[name] if is_parameter else module._buffers[name]
             if current.dtype != host.dtype:
                 converted = self._to_host(host.to(current.dtype), self.pin)
+                module.__dict__[HOST_COPIES][name] = converted
                 self.host[index][i] = (module, name, is_parameter, converted)
 
     def _wait_for_copy(self, index: int) -> None:

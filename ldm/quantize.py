@@ -43,13 +43,22 @@ class Fp8Storage(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
-        return _dequantize(self.weight, self.weight_scale, dtype)
+        return _dequantize(stored(self, "weight"), stored(self, "weight_scale"), dtype)
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
+
+
+def stored(layer: nn.Module, name: str) -> torch.Tensor:
+    """The layer's frozen tensor `name` as stored: its host copy while block swap holds the
+    layer's block (`ldm.block_swap`: off the device the layer has an empty placeholder)."""
+    from ldm.block_swap import host_copy
+
+    host = host_copy(layer, name)
+    return host if host is not None else getattr(layer, name)
 
 
 def _dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -286,9 +295,9 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
 
     weight = layer.weight
     if kind == "nf4":
-        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
-            layer.compute_dtype
-        )
+        state = weight.quant_state  # not swapped: it stays where the layer is
+        bits = stored(layer, "weight").data.to(state.absmax.device)
+        return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
     # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
     # bitsandbytes keeps the scales in the layer's state instead of on the weight
     scales = int8_scales(layer)

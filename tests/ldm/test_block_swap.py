@@ -177,6 +177,36 @@ def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
     assert all(torch.equal(got[2][n], expected[2][n]) for n in expected[2])
 
 
+@pytest.mark.parametrize("kind", ["fp8", "nf4"])
+def test_a_checkpoint_of_a_swapped_quantized_base_is_the_one_without_swap(kind):
+    """A LoRA run's checkpoint holds the quantized base's weights dequantized (ldm.lora.
+    checkpoints, `ldm.quantize.dequantize` of each layer): under block swap, for the blocks off
+    the device as for those on it, they are what they are without swap."""
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from ldm.diffusion import DiffusionWrapper
+    from ldm.lora import quantize_blocks
+    from ldm.lora.checkpoints import save_layout
+
+    plain = nn.Module()
+    plain.model = DiffusionWrapper(with_adapters(tiny_dit()))
+    assert quantize_blocks(plain.model, kind, torch.float32) > 0
+    swapped = copy.deepcopy(plain)
+    swap = swap_blocks(swapped.model, SWAPPED, torch.device("cpu"))
+    step(swapped.model.diffusion_model)  # some blocks loaded, the others not
+    assert 0 < len(swap.loaded) < SWAPPED
+    files = []
+    for model in (plain, swapped):
+        ckpt = {"state_dict": model.state_dict()}
+        save_layout(model, ckpt)
+        files.append(ckpt["state_dict"])
+    expected, got = files
+    assert got.keys() == expected.keys()
+    weights = [k for k in expected if k.endswith(".weight") and "lora_" not in k]
+    assert len(weights) > 5 * 4  # the blocks' quantized layers among them
+    assert [k for k in weights if not torch.equal(got[k], expected[k])] == []
+
+
 def test_int8_with_block_swap_is_refused_by_name():
     from ldm.lora import parse_settings
 
