@@ -42,9 +42,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # The rows and how a figure is taken (card_peak, mfu, python are used by the tests from here).
 from gpu_bench.measure import card_peak, environment, mfu, one_line, python, size  # noqa: E402
-from gpu_bench.model import rows_compile, rows_compile_channels_last, rows_model  # noqa: E402
+from gpu_bench.model import (  # noqa: E402
+    rows_compile,
+    rows_compile_channels_last,
+    rows_model,
+    rows_swap,
+)
 from gpu_bench.runs import rows_demo, rows_e2e, rows_e2e_no_ema, rows_loop, rows_sampling  # noqa: E402
-from gpu_bench.swap import rows_swap  # noqa: E402
 
 __all__ = ["card_peak", "main", "mfu", "python"]
 
