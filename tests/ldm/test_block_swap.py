@@ -264,9 +264,12 @@ def test_a_block_leaves_the_device_only_after_the_compute_stream_waited_for_its_
     tensors are allocated) for that stream's next tensors at once, knowing nothing of the side
     stream (torch docs, `Tensor.record_stream`): a block prefetched, then evicted before it ran,
     must first have the compute stream wait for its copy. Loads in any order: a forward cut
-    short (an error in block 2) and a new one, then a shuffled order."""
+    short (an error in block 2) and a new one; training steps whose backward recomputes blocks
+    4 and 3 only (blocks 0-2 hold no adapters and get no gradient: its prefetch of block 2 is
+    never used); then a shuffled order."""
     swap = Recorded(blocks_of(tiny_dit())[:5], torch.device("cpu"), resident)
     order = [0, 1, 2, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+    order += [0, 1, 2, 3, 4, 4, 3] * 3
     order += torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist() * 3
     for index in order:
         swap.load(index)
