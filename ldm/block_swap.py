@@ -18,6 +18,15 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+# A swapped module's attribute: its frozen tensors' host copies by name (`host_copy`)
+HOST_COPIES = "block_swap_host_copies"
+
+
+def host_copy(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The host copy of `module`'s tensor `name` when block swap holds it (whatever is on the
+    device right now: off the device, the module holds an empty placeholder), else None."""
+    return module.__dict__.get(HOST_COPIES, {}).get(name)
+
 
 def blocks_of(backbone: nn.Module) -> list[nn.Module]:
     """The backbone's blocks in the order they run, as the backbone itself names them
@@ -49,12 +58,17 @@ class BlockSwap:
         if resident < 1:
             raise ValueError("block swap: at least one block must fit on the device")
         self.blocks, self.device, self.resident = blocks, torch.device(device), resident
-        accelerator = self.device.type != "cpu"
+        self.pin = accelerator = self.device.type != "cpu"
         # Side stream for the copies, so that they overlap the compute (no streams on the CPU:
         # the same code path runs as plain copies).
         self.stream = torch.Stream(device=self.device) if accelerator else None
+        self.loaded: list[int] = []  # blocks on the device, oldest first
+        # Blocks whose copy the compute stream has not waited for yet -> the copy's event (None
+        # on the CPU, where copies are done when they return)
+        self.copying: dict[int, object] = {}
+        self.last: int | None = None
         self.host = []  # per block: [(module, name, is_parameter, host tensor)]
-        for block in blocks:
+        for index, block in enumerate(blocks):
             tensors = []
             for module in block.modules():
                 for name, p in module.named_parameters(recurse=False):
@@ -64,10 +78,10 @@ class BlockSwap:
                     if b is not None:
                         tensors.append((module, name, False, self._to_host(b, accelerator)))
             self.host.append(tensors)
-        self.loaded: list[int] = []  # blocks on the device, oldest first
-        self.events: dict[int, object] = {}
-        self.last: int | None = None
-        for index in range(len(blocks)):
+            for module, name, _, host in tensors:  # for readers of the stored weights
+                module.__dict__.setdefault(HOST_COPIES, {})[name] = host
+            # The block's own tensors go now, not once all blocks are copied: on an accelerator
+            # pinning copies them, and host memory would peak at twice the swapped weights.
             self._set(index, None)
 
     @staticmethod
@@ -76,9 +90,14 @@ class BlockSwap:
         return host.pin_memory() if pin else host  # pinned: copies can run asynchronously
 
     def _set(self, index: int, tensors: list[torch.Tensor] | None) -> None:
-        """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders."""
-        for i, (module, name, is_parameter, host) in enumerate(self.host[index]):
-            value = tensors[i] if tensors is not None else host.new_empty(0, device=self.device)
+        """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders
+        (in the dtype the module holds each one in now)."""
+        for i, (module, name, is_parameter, _) in enumerate(self.host[index]):
+            if tensors is not None:
+                value = tensors[i]
+            else:
+                current = module._parameters[name] if is_parameter else module._buffers[name]
+                value = torch.empty(0, dtype=current.dtype, device=self.device)
             if is_parameter:
                 module._parameters[name].data = value
             else:
@@ -92,7 +111,9 @@ class BlockSwap:
             self._evict(self.loaded[0])
         # Allocated on the compute stream (so freed there safely), filled on the side stream
         # once the compute stream's earlier work is done.
+        self._follow_dtypes(index)
         tensors = [torch.empty_like(h, device=self.device) for *_, h in self.host[index]]
+        event = None
         if self.stream is None:
             for tensor, (*_, host) in zip(tensors, self.host[index]):
                 tensor.copy_(host)
@@ -101,30 +122,56 @@ class BlockSwap:
             with self.stream:
                 for tensor, (*_, host) in zip(tensors, self.host[index]):
                     tensor.copy_(host, non_blocking=True)
-            self.events[index] = self.stream.record_event()
+            event = self.stream.record_event()
+        self.copying[index] = event
         self._set(index, tensors)
         self.loaded.append(index)
 
+    def _follow_dtypes(self, index: int) -> None:
+        """A module-wide `.to(dtype)` after the swap - Lightning's true precision converts the
+        model after the `setup` hook - reaches the placeholders only: the host copies follow
+        them (once), as the module's own tensors would have been converted."""
+        for i, (module, name, is_parameter, host) in enumerate(self.host[index]):
+            current = module._parameters[name] if is_parameter else module._buffers[name]
+            if current.dtype != host.dtype:
+                converted = self._to_host(host.to(current.dtype), self.pin)
+                module.__dict__[HOST_COPIES][name] = converted
+                self.host[index][i] = (module, name, is_parameter, converted)
+
+    def _wait_for_copy(self, index: int) -> None:
+        """Make the compute stream wait (on the device, not the host) until block `index`'s copy
+        is done; once per copy."""
+        event = self.copying.pop(index, None)
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
+
     def _evict(self, index: int) -> None:
         """Block `index` off the device: its weights are frozen, so the host copy is current."""
+        # A prefetched block may leave before it ever ran (the loads went another way), its copy
+        # still in flight on the side stream. Its tensors belong to the compute stream, and the
+        # caching allocator gives memory freed there to that stream's next allocation at once: it
+        # is "aware of only the stream where a tensor was allocated" (torch docs,
+        # `Tensor.record_stream`); a use on another stream needs that stream's work waited for
+        # before the free (an event, as here) or record_stream. Without the wait, the compute
+        # stream's next tensors could be overwritten by the copy still running.
+        self._wait_for_copy(index)
         self._set(index, None)
         self.loaded.remove(index)
-        self.events.pop(index, None)
 
     def load(self, index: int) -> None:
         """Block `index` on the device, ready for the compute stream, and its successor in the
         running direction (forward: the next block; the backward's recompute: the previous one)
         on its way."""
         step = -1 if self.last is not None and index < self.last else 1
+        if index in (0, len(self.blocks) - 1):  # at an end, the only way is inward
+            step = 1 if index == 0 else -1
         self.last = index
         if index in self.loaded:  # prefetched: now the most recent
             self.loaded.remove(index)
             self.loaded.append(index)
         else:
             self._fetch(index)
-        event = self.events.pop(index, None)
-        if event is not None:
-            torch.accelerator.current_stream(self.device).wait_event(event)
+        self._wait_for_copy(index)
         if self.resident > 1:
             self._fetch(index + step)
 

@@ -43,13 +43,22 @@ class Fp8Storage(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
-        return _dequantize(self.weight, self.weight_scale, dtype)
+        return _dequantize(stored(self, "weight"), stored(self, "weight_scale"), dtype)
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:
         if torch.is_autocast_enabled(x.device.type):
             return torch.get_autocast_dtype(x.device.type)
         return x.dtype
+
+
+def stored(layer: nn.Module, name: str) -> torch.Tensor:
+    """The layer's frozen tensor `name` as stored: its host copy while block swap holds the
+    layer's block (`ldm.block_swap`: off the device the layer has an empty placeholder)."""
+    from ldm.block_swap import host_copy
+
+    host = host_copy(layer, name)
+    return host if host is not None else getattr(layer, name)
 
 
 def _dequantize(bits: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +135,7 @@ class Fp8Conv2d(Fp8Storage):
 
 
 def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' int8 and 4-bit matmuls (autograd Functions) return a 3-d input's output as
+    """bitsandbytes' int8 matmul (an autograd Function) returns a 3-d input's output as
     a view, which autograd forbids to modify in place; the blocks do (`ff(x).add_(x)`): a copy
     then."""
     return output.clone() if output._is_view() else output
@@ -151,7 +160,54 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     return layer.to(linear.weight.device)  # bitsandbytes quantizes on the move
 
 
+class _Nf4Op(torch.autograd.Function):
+    """y = x W^T + b with W dequantized from the nf4 bits, in `dtype` (the layer's compute
+    dtype), as bitsandbytes' own forward computes it. Used instead of bitsandbytes' MatMul4Bit,
+    which keeps its weight on the autograd context (`ctx.tensors`) rather than in the saved
+    tensors: activation checkpointing cannot drop it then, so every swapped block's nf4 weight
+    stayed on the device from the forward to the backward (`ldm.block_swap`). Here the bits
+    are saved tensors, and the backward dequantizes them again, as fp8's `_Fp8Op` does."""
+
+    @staticmethod
+    def forward(ctx, x, bits, quant_state, bias, dtype):
+        import bitsandbytes as bnb
+
+        ctx.save_for_backward(bits)
+        ctx.quant_state = quant_state
+        weight = bnb.functional.dequantize_4bit(bits, quant_state).to(dtype)
+        return F.linear(x, weight, bias)  # autocast, when on, applies (as in bitsandbytes' own)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import bitsandbytes as bnb
+
+        (bits,) = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            weight = bnb.functional.dequantize_4bit(bits, ctx.quant_state)
+            grad_x = grad @ weight.to(grad.dtype)  # (rows, out) @ (out, in), as bitsandbytes
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad.sum(0)
+        return grad_x, None, None, grad_bias, None
+
+
+def _nf4_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' `Linear4bit.forward` (the input in the compute dtype, the output back in
+    the input's) through `_Nf4Op`; 2-d inside the Function, the reshape back outside it, so
+    that the output takes an in-place residual (see `Fp8Linear.forward`)."""
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    fix_4bit_weight_quant_state_from_module(layer)
+    dtype = layer.compute_dtype or x.dtype
+    bias = None if layer.bias is None else layer.bias.to(dtype)
+    rows = x.to(dtype).reshape(-1, layer.in_features)
+    out = _Nf4Op.apply(rows, layer.weight, layer.weight.quant_state, bias, dtype)
+    return out.view(*x.shape[:-1], layer.out_features).to(x.dtype)
+
+
 def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+    import types
+
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear4bit(
@@ -169,7 +225,7 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.register_forward_hook(_own_output)
+    layer.forward = types.MethodType(_nf4_forward, layer)  # still a Linear4bit, by type
     return layer.to(linear.weight.device)
 
 
@@ -239,9 +295,9 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
 
     weight = layer.weight
     if kind == "nf4":
-        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).to(
-            layer.compute_dtype
-        )
+        state = weight.quant_state  # not swapped: it stays where the layer is
+        bits = stored(layer, "weight").data.to(state.absmax.device)
+        return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
     # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
     # bitsandbytes keeps the scales in the layer's state instead of on the weight
     scales = int8_scales(layer)

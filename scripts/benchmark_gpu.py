@@ -19,6 +19,9 @@ Rows (random weights only, nothing downloaded; the 512 px JPEGs are made here):
 - loop: scripts/benchmark_loop.py, when it exists (its own output).
 - demo: scripts/demo.py end to end (data, training, grid, scores): seconds and colour/shape.
 - sampling: 512 px, DPM++ 2M 20 steps, CFG 7.5: ours vs diffusers' StableDiffusionPipeline.
+- swap: a DiT-XL/2 LoRA step with every block swapped to host RAM (`blocks_to_swap`), bf16 /
+  fp8 / nf4 base, against the same step without swap: peak memory, time, and the largest
+  difference of output and gradients (the CUDA-only paths of ldm.block_swap, run once).
 Each row runs in its own process (clean peak memory; a row that hangs is killed at its time
 limit); a failed row prints one line and the run goes on. `--budget-s` skips rows whose
 estimate no longer fits. The JSON (`--out`) is rewritten after every row.
@@ -39,7 +42,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # The rows and how a figure is taken (card_peak, mfu, python are used by the tests from here).
 from gpu_bench.measure import card_peak, environment, mfu, one_line, python, size  # noqa: E402
-from gpu_bench.model import rows_compile, rows_compile_channels_last, rows_model  # noqa: E402
+from gpu_bench.model import (  # noqa: E402
+    rows_compile,
+    rows_compile_channels_last,
+    rows_model,
+    rows_swap,
+)
 from gpu_bench.runs import rows_demo, rows_e2e, rows_e2e_no_ema, rows_loop, rows_sampling  # noqa: E402
 
 __all__ = ["card_peak", "main", "mfu", "python"]
@@ -57,6 +65,7 @@ ROWS = {
     "sampling": (rows_sampling, 50, 120),
     "compile_channels_last": (rows_compile_channels_last, 100, 240),
     "loop": (rows_loop, 30, 90),
+    "swap": (rows_swap, 60, 200),
 }
 TINY_LIMIT = 900  # seconds per row group at --tiny (no budget: a loaded CPU is slow)
 

@@ -72,11 +72,11 @@ def test_a_command_past_its_time_limit_is_killed_with_what_it_started(bench):
 @pytest.mark.slow  # the model, compile and sampling rows and one main.py run (~1 min on 2 cores)
 def test_tiny_runs_the_rows_on_the_cpu(tmp_path):
     """`--tiny` rows at tiny width on the CPU: the model step against diffusers, compile,
-    sampling, and main.py end to end through the row's timer callback. (The cached and EMA
-    main.py rows and the demo, ~4 more minutes, run with `--tiny` alone; the launcher, the
-    cache and the demo have their own tests.)"""
+    sampling, main.py end to end through the row's timer callback, and block swap. (The cached
+    and EMA main.py rows and the demo, ~4 more minutes, run with `--tiny` alone; the launcher,
+    the cache and the demo have their own tests.)"""
     out = tmp_path / "tiny.json"
-    rows_asked = ["model", "compile", "sampling", "e2e_no_ema"]
+    rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
     result = subprocess.run(
         [sys.executable, "scripts/benchmark_gpu.py", "--tiny", "--out", str(out)]
         + ["--only", *rows_asked],
@@ -99,6 +99,11 @@ def test_tiny_runs_the_rows_on_the_cpu(tmp_path):
         assert rows[name]["img_s"] > 0, name
     assert rows["model: ours"]["tflop_per_img"] > 0
     assert any(name.startswith("sampling") for name in rows)
+    # block swap on the CPU: plain copies, the same kernels - the swapped step is the plain one
+    swaps = [row for name, row in rows.items() if name.startswith("swap:")]
+    assert [row["row"].split(", ")[-1] for row in swaps] == ["none base", "fp8 base", "nf4 base"]
+    for row in swaps:
+        assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
     assert "| row | img/s | vs diffusers |" in result.stdout
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from ldm.block_swap import blocks_of, swap_blocks
+from ldm.block_swap import BlockSwap, blocks_of, swap_blocks
 
 
 def tiny_dit():
@@ -103,6 +103,30 @@ def test_the_state_dict_is_the_full_weights_whatever_is_loaded():
     model.load_state_dict(before)  # loading fills the host copies
 
 
+def test_a_module_wide_dtype_change_after_the_swap_reaches_the_swapped_weights():
+    """Lightning's true precision (`bf16-true`) converts the whole model after the `setup`
+    hook, where the blocks were swapped: the swapped model then computes, and saves, what the
+    same model converted without swap does - also when the conversion finds blocks loaded
+    (here after a first pass in fp32)."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    precision = HalfPrecision("bf16-true")
+    plain = tiny_dit().requires_grad_(False)
+    swapped = copy.deepcopy(plain)
+    swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    args = (x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    with torch.no_grad():
+        assert torch.equal(swapped(*args), plain(*args))  # leaves the last blocks loaded
+    plain, swapped = precision.convert_module(plain), precision.convert_module(swapped)
+    args = (x.to(torch.bfloat16), *args[1:])
+    with torch.no_grad():
+        for _ in range(2):  # blocks loaded, evicted, loaded again
+            assert torch.equal(swapped(*args), plain(*args))
+    expected, state = plain.state_dict(), swapped.state_dict()
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
+
+
 def test_an_nf4_base_swaps_and_computes_the_same():
     pytest.importorskip("bitsandbytes")
     from ldm.quantize import quantize_frozen
@@ -116,6 +140,26 @@ def test_an_nf4_base_swaps_and_computes_the_same():
     args = (x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
     with torch.no_grad():
         assert torch.equal(swapped(*args), plain(*args))
+
+
+@pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_an_nf4_layer_computes_as_bitsandbytes_own_forward(compute_dtype, autocast):
+    """Our nf4 layers run through their own autograd Function (whose saved bits checkpointing
+    can drop, for block swap); output and input gradient are bitwise bitsandbytes' own
+    `Linear4bit.forward`'s, on the same layer."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantized_layer
+
+    torch.manual_seed(0)
+    layer = quantized_layer(nn.Linear(128, 64).requires_grad_(False), "nf4", compute_dtype)
+    x = torch.randn(3, 5, 128, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        ours, theirs = layer(x), bnb.nn.Linear4bit.forward(layer, x)
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    (mine,) = torch.autograd.grad(ours.square().sum(), x)
+    (reference,) = torch.autograd.grad(theirs.square().sum(), x)
+    assert torch.equal(mine, reference)
 
 
 def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
@@ -133,11 +177,171 @@ def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
     assert all(torch.equal(got[2][n], expected[2][n]) for n in expected[2])
 
 
+@pytest.mark.parametrize("kind", ["fp8", "nf4"])
+def test_a_checkpoint_of_a_swapped_quantized_base_is_the_one_without_swap(kind):
+    """A LoRA run's checkpoint holds the quantized base's weights dequantized (ldm.lora.
+    checkpoints, `ldm.quantize.dequantize` of each layer): under block swap, for the blocks off
+    the device as for those on it, they are what they are without swap."""
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from ldm.diffusion import DiffusionWrapper
+    from ldm.lora import quantize_blocks
+    from ldm.lora.checkpoints import save_layout
+
+    plain = nn.Module()
+    plain.model = DiffusionWrapper(with_adapters(tiny_dit()))
+    assert quantize_blocks(plain.model, kind, torch.float32) > 0
+    swapped = copy.deepcopy(plain)
+    swap = swap_blocks(swapped.model, SWAPPED, torch.device("cpu"))
+    step(swapped.model.diffusion_model)  # some blocks loaded, the others not
+    assert 0 < len(swap.loaded) < SWAPPED
+    files = []
+    for model in (plain, swapped):
+        ckpt = {"state_dict": model.state_dict()}
+        save_layout(model, ckpt)
+        files.append(ckpt["state_dict"])
+    expected, got = files
+    assert got.keys() == expected.keys()
+    weights = [k for k in expected if k.endswith(".weight") and "lora_" not in k]
+    assert len(weights) > 5 * 4  # the blocks' quantized layers among them
+    assert [k for k in weights if not torch.equal(got[k], expected[k])] == []
+
+
 def test_int8_with_block_swap_is_refused_by_name():
     from ldm.lora import parse_settings
 
     with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: not with an int8"):
         parse_settings({"base_quantization": "int8", "blocks_to_swap": 2})
+
+
+# --- the order of copies, waits and evictions (what keeps the device's streams safe) -------------
+
+
+class Recorded(BlockSwap):
+    """The real BlockSwap, its copies, the compute stream's waits for them and its evictions
+    written down in the order they happen."""
+
+    def __init__(self, *args, **kwargs):
+        self.log = []
+        super().__init__(*args, **kwargs)
+
+    def _fetch(self, index):
+        new = index not in self.loaded and 0 <= index < len(self.blocks)
+        super()._fetch(index)
+        if new:
+            self.log.append(("copy", index))
+
+    def _wait_for_copy(self, index):
+        if index in self.copying:
+            self.log.append(("wait", index))
+        super()._wait_for_copy(index)
+
+    def _evict(self, index):
+        super()._evict(index)
+        self.log.append(("evict", index))
+
+
+def test_each_block_gives_up_its_own_tensors_before_the_next_one_is_copied():
+    """On an accelerator the host copies are new (pinned) memory: made for all blocks before
+    any block let go of its own tensors, host memory would peak at twice the swapped weights.
+    When the last block is copied, only it still holds its own."""
+
+    class Watched(BlockSwap):
+        def _to_host(self, tensor, pin):
+            holding = [any(p.numel() > 0 for p in b.parameters()) for b in self.blocks]
+            self.holding.append(sum(holding))
+            return super()._to_host(tensor, pin)
+
+    Watched.holding = []
+    blocks = blocks_of(tiny_dit().requires_grad_(False))[:SWAPPED]
+    Watched(blocks, torch.device("cpu"))
+    assert Watched.holding[0] == SWAPPED and Watched.holding[-1] == 1
+
+
+@pytest.mark.parametrize("resident", [1, 2, 3])
+def test_a_block_leaves_the_device_only_after_the_compute_stream_waited_for_its_copy(resident):
+    """CUDA's caching allocator reuses memory freed on the compute stream (where the blocks'
+    tensors are allocated) for that stream's next tensors at once, knowing nothing of the side
+    stream (torch docs, `Tensor.record_stream`): a block prefetched, then evicted before it ran,
+    must first have the compute stream wait for its copy. Loads in any order: a forward cut
+    short (an error in block 2) and a new one; training steps whose backward recomputes blocks
+    4 and 3 only (blocks 0-2 hold no adapters and get no gradient: its prefetch of block 2 is
+    never used); then a shuffled order."""
+    swap = Recorded(blocks_of(tiny_dit())[:5], torch.device("cpu"), resident)
+    order = [0, 1, 2, 0, 1, 2, 3, 4, 4, 3, 2, 1, 0]
+    order += [0, 1, 2, 3, 4, 4, 3] * 3
+    order += torch.randperm(5, generator=torch.Generator().manual_seed(0)).tolist() * 3
+    for index in order:
+        swap.load(index)
+        assert index in swap.loaded and index not in swap.copying  # ready for the compute
+    copying = set()
+    for what, index in swap.log:
+        if what == "copy":
+            copying.add(index)
+        elif what == "wait":
+            copying.discard(index)
+        else:
+            assert index not in copying, f"block {index} evicted with its copy in flight"
+    assert ("evict", 2) in swap.log[swap.log.index(("copy", 2)) :]  # the cut-short case ran
+
+
+def test_a_new_pass_has_its_second_block_on_the_way_while_the_first_computes():
+    """The next block is copied in while one computes - also for block 0 of a pass that follows
+    another (sampling: a forward per step), where the last block ran just before."""
+    model = tiny_dit().requires_grad_(False).eval()
+    blocks = blocks_of(model)
+    swap_blocks(model, SWAPPED, torch.device("cpu"), resident=2)
+    present = []
+    first_layer = next(m for m in blocks[0].modules() if type(m) is nn.Linear)
+    first_layer.register_forward_pre_hook(
+        lambda *_: present.append(all(p.numel() > 0 for p in blocks[1].parameters()))
+    )
+    x = torch.randn(2, 4, 8, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            model(x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    assert present == [True, True, True]
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+def test_a_block_off_the_device_holds_no_memory_there_while_the_graph_waits(kind):
+    """Block swap's point: once a block has left the device its weights' memory there is free,
+    also between the forward and the backward (when the autograd graph of the whole step is
+    alive: the swapped blocks run under activation checkpointing, which saves nothing of
+    them). Any layer keeping its weight in the graph outside autograd's saved tensors would
+    keep every swapped block on the device."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    from ldm.lora import quantize_blocks
+
+    model = with_adapters(tiny_dit())
+    if kind != "none":
+        assert quantize_blocks(model, kind, torch.float32) > 0
+    swap = swap_blocks(model, SWAPPED, torch.device("cpu"), resident=2)
+    blocks = blocks_of(model)
+    storages = {index: [] for index in range(SWAPPED)}  # what each block computed with
+
+    def record(index):
+        def hook(*_):
+            for tensor in [*blocks[index].parameters(), *blocks[index].buffers()]:
+                if not tensor.requires_grad:
+                    storages[index].append(StorageWeakRef(tensor.untyped_storage()))
+
+        return hook
+
+    for index in range(SWAPPED):
+        for module in blocks[index].modules():
+            if not list(module.children()):  # every leaf layer, as it runs
+                module.register_forward_pre_hook(record(index))
+    x = torch.randn(2, 4, 8, 8, requires_grad=True)
+    out = model(x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    gone = [index for index in range(SWAPPED) if index not in swap.loaded]
+    assert gone and all(storages[index] for index in gone)
+    held = [index for index in gone if not all(s.expired() for s in storages[index])]
+    assert held == [], f"blocks {held} still hold their weights, off the device"
+    out.square().mean().backward()  # and the backward still runs (reloading them)
 
 
 # --- which blocks: each backbone names them (blocks_in_order), in the order they run ---------
