@@ -40,7 +40,7 @@ def _dequantized(model: nn.Module, state: dict) -> None:
             del state[key]
         state[f"{name}.weight"] = quantize.dequantize(layer).cpu()
         if getattr(layer, "bias", None) is not None:
-            state[f"{name}.bias"] = layer.bias.detach().cpu()
+            state[f"{name}.bias"] = quantize.stored(layer, "bias").detach().cpu()
 
 
 def _requantized(model: nn.Module, state: dict) -> None:

@@ -202,9 +202,9 @@ def test_a_checkpoint_of_a_swapped_quantized_base_is_the_one_without_swap(kind):
         files.append(ckpt["state_dict"])
     expected, got = files
     assert got.keys() == expected.keys()
-    weights = [k for k in expected if k.endswith(".weight") and "lora_" not in k]
-    assert len(weights) > 5 * 4  # the blocks' quantized layers among them
-    assert [k for k in weights if not torch.equal(got[k], expected[k])] == []
+    frozen = [k for k in expected if k.endswith((".weight", ".bias")) and "lora_" not in k]
+    assert len(frozen) > 5 * 4 * 2  # the blocks' quantized layers' weights and biases among them
+    assert [k for k in frozen if not torch.equal(got[k], expected[k])] == []
 
 
 def test_int8_with_block_swap_is_refused_by_name():
