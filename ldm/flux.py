@@ -203,8 +203,9 @@ def shifted_norm(
     the batch (B = 1, Flux's usual training batch) that is the LayerNorm's own affine map,
     weight 1 + scale and bias shift: one kernel forward and one backward (which sums the weight
     and bias gradients in the same pass), where a separate addcmul costs a pass over x forward
-    and three backward. The same products, the values agree to the bit."""
-    if shift.shape[0] == 1:
+    and three backward. The same products, the values agree to the bit. (Modulations of
+    another dtype than x keep the addcmul and its type promotion.)"""
+    if shift.shape[0] == 1 and shift.dtype == x.dtype:
         weight, bias = (1 + scale).view(-1), shift.view(-1)
         return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
     return torch.addcmul(shift, norm(x), 1 + scale)  # one pass over x
