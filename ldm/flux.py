@@ -95,15 +95,17 @@ def apply_rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rotation: torch.Tensor, q_start: int = 0
 ) -> torch.Tensor:
-    """q, k, v (B, L, heads, head_dim) -> (B, L, heads * head_dim), q and k rotated first.
+    """q (B, Lq, heads, head_dim), k, v (B, L, heads, head_dim) -> (B, Lq, heads * head_dim), q
+    and k rotated first. q holds the queries of rows q_start .. L of the sequence (all by
+    default), so it takes those rows' rotations.
 
     Token-major (as ldm.mmdit): the double block's [text; image] concatenation is a plain copy,
     SDPA takes the (B, heads, L, head_dim) views as they are, and its output comes back in
     token-major layout, so no layout copy before the projection (BFL's rearrange
     "B L (K H D) -> K B H L D" and "B H L D -> B L (H D)" copy both ways)."""
-    q, k = apply_rope(q, rotation), apply_rope(k, rotation)
+    q, k = apply_rope(q, rotation[:, q_start:]), apply_rope(k, rotation)
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     b, _, length, _ = out.shape
     return out.transpose(1, 2).reshape(b, length, -1)
@@ -194,9 +196,19 @@ def mlp(hidden_size: int, mlp_ratio: float) -> nn.Sequential:
     )
 
 
-def shifted(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """adaLN with (B, 1, D) modulations: x (1 + scale) + shift (one pass over x: addcmul)."""
-    return torch.addcmul(shift, x, 1 + scale)
+def shifted_norm(
+    norm: nn.LayerNorm, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """adaLN with (B, 1, D) modulations: norm(x) (1 + scale) + shift. With one modulation for
+    the batch (B = 1, Flux's usual training batch) that is the LayerNorm's own affine map,
+    weight 1 + scale and bias shift: one kernel forward and one backward (which sums the weight
+    and bias gradients in the same pass), where a separate addcmul costs a pass over x forward
+    and three backward. The same products, the values agree to the bit. (Modulations of
+    another dtype than x keep the addcmul and its type promotion.)"""
+    if shift.shape[0] == 1 and shift.dtype == x.dtype:
+        weight, bias = (1 + scale).view(-1), shift.view(-1)
+        return F.layer_norm(x, norm.normalized_shape, weight, bias, norm.eps)
+    return torch.addcmul(shift, norm(x), 1 + scale)  # one pass over x
 
 
 def gated(x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -222,8 +234,8 @@ class DoubleStreamBlock(nn.Module):
         """img (B, N, D), txt (B, T, D), vec (B, D), rotation of [text; image] -> img, txt."""
         # (shift, scale, gate) of the attention, then of the MLP; each (B, 1, D)
         img_mods, txt_mods = self.img_mod(vec), self.txt_mod(vec)
-        img_qkv = self.img_attn.heads(shifted(self.img_norm1(img), *img_mods[:2]))
-        txt_qkv = self.txt_attn.heads(shifted(self.txt_norm1(txt), *txt_mods[:2]))
+        img_qkv = self.img_attn.heads(shifted_norm(self.img_norm1, img, *img_mods[:2]))
+        txt_qkv = self.txt_attn.heads(shifted_norm(self.txt_norm1, txt, *txt_mods[:2]))
         q, k, v = (torch.cat(pair, dim=1) for pair in zip(txt_qkv, img_qkv, strict=True))
         txt_out, img_out = attention(q, k, v, rotation).split([txt.shape[1], img.shape[1]], dim=1)
         img = self._residuals(img, img_out, img_mods, self.img_attn, self.img_norm2, self.img_mlp)
@@ -235,7 +247,7 @@ class DoubleStreamBlock(nn.Module):
         """The gated attention residual, then the gated MLP of the modulated result."""
         _, _, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods
         x = gated(x, gate_msa, attn.proj(attn_out))
-        return gated(x, gate_mlp, mlp_layers(shifted(norm2(x), shift_mlp, scale_mlp)))
+        return gated(x, gate_mlp, mlp_layers(shifted_norm(norm2, x, shift_mlp, scale_mlp)))
 
 
 class SingleStreamBlock(nn.Module):
@@ -254,17 +266,22 @@ class SingleStreamBlock(nn.Module):
         self.mlp_act = nn.GELU(approximate="tanh")
         self.modulation = Modulation(hidden_size, 3)
 
-    def forward(self, x: torch.Tensor, vec: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-        """x (B, T + N, D) -> (B, T + N, D)."""
+    def forward(
+        self, x: torch.Tensor, vec: torch.Tensor, rotation: torch.Tensor, start: int = 0
+    ) -> torch.Tensor:
+        """x (B, T + N, D) -> its rows start .. T + N, (B, T + N - start, D). Every row is a
+        key and value of the attention; only the returned rows need a query, an MLP and
+        `linear2` (Flux's last block returns the image rows: nothing reads its text rows)."""
         shift, scale, gate = self.modulation(vec)  # each (B, 1, D)
-        hidden = self.linear1(shifted(self.pre_norm(x), shift, scale))
+        hidden = self.linear1(shifted_norm(self.pre_norm, x, shift, scale))
         # one split into views: the backward gathers the four gradients with one copy (a split
         # of [q k v] and then an unbind of it would copy the q, k, v gradients twice)
         *qkv, mlp_in = hidden.split([self.hidden_size] * 3 + [self.mlp_hidden], dim=-1)
         q, k, v = (part.unflatten(-1, (self.num_heads, -1)) for part in qkv)  # (B, L, heads, hd)
-        q, k = self.norm(q, k, v)
-        out = torch.cat([attention(q, k, v, rotation), self.mlp_act(mlp_in)], dim=-1)
-        return gated(x, gate, self.linear2(out))
+        q, k = self.norm(q[:, start:], k, v)
+        attn = attention(q, k, v, rotation, q_start=start)
+        out = torch.cat([attn, self.mlp_act(mlp_in[:, start:])], dim=-1)
+        return gated(x[:, start:], gate, self.linear2(out))
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -383,7 +400,7 @@ class Flux(nn.Module):
         txt = torch.zeros(text_len, 3, dtype=img.dtype, device=device)
         return torch.cat([txt, img]).float()[None].expand(batch, -1, -1)
 
-    def _run(self, block: nn.Module, *args: torch.Tensor):
+    def _run(self, block: nn.Module, *args):
         if self.use_checkpoint and self.training and torch.is_grad_enabled():
             return checkpoint(block, *args, use_reentrant=False)
         return block(*args)
@@ -416,9 +433,11 @@ class Flux(nn.Module):
         for block in self.double_blocks:
             img, txt = self._run(block, img, txt, vec, rotation)
         joint = torch.cat([txt, img], dim=1)  # (B, T + N, D)
-        for block in self.single_blocks:
-            joint = self._run(block, joint, vec, rotation)
-        img = self.final_layer(joint[:, txt.shape[1] :], vec)  # (B, N, 64)
+        for index, block in enumerate(self.single_blocks):
+            # the final layer reads the image rows only: the last block returns just those
+            start = txt.shape[1] if index == len(self.single_blocks) - 1 else 0
+            joint = self._run(block, joint, vec, rotation, start)
+        img = self.final_layer(joint[:, joint.shape[1] - img.shape[1] :], vec)  # (B, N, 64)
         return self.unpatchify(img, h, w)  # (B, 16, H, W)
 
     def _guidance_embedding(self, cond: Mapping, batch: int, device) -> torch.Tensor:
