@@ -254,10 +254,28 @@ def loop_table(args, tmp: Path) -> list[str]:
     synced = sorted(s for s in reads if s > 1)
     has_ema = ema_decay(merged_config(config, dotlist)) is not None
     work = "NaN/inf check" + (" and EMA fold" if has_ema else "")
-    rows = [
-        f"| loop ({config.name}, width {args.width}, batch {args.batch_size}, {args.device}, "
-        f"{args.threads} thread; median of {args.rounds} alternating rounds) "
-        "| wall ms/step | CPU ms/step |",
+    title = (
+        f"loop ({config.name}, width {args.width}, batch {args.batch_size}, {args.device}, "
+        f"{args.threads} thread; median of {args.rounds} alternating rounds)"
+    )
+    rows = format_loop_table(title, wall, cpu, overheads, work, synced, args.log_every)
+    print("\n".join(rows), flush=True)
+    return rows
+
+
+def format_loop_table(
+    title: str,
+    wall: dict,
+    cpu: dict,
+    overheads: list[float],
+    work: str,
+    synced: list[int],
+    log_every: int,
+) -> list[str]:
+    """The printed table: `wall` / `cpu` ms per step of the plain loop ("plain"), the plain loop
+    with main.py's work ("same") and main.py ("main"); `overheads` per round (CPU ms)."""
+    return [
+        f"| {title} | wall ms/step | CPU ms/step |",
         "|---|---|---|",
         f"| plain PyTorch loop | {wall['plain']:.1f} | {cpu['plain']:.1f} |",
         f"| plain loop + the same {work} as main.py's defaults "
@@ -269,11 +287,9 @@ def loop_table(args, tmp: Path) -> list[str]:
         f"| {wall['main'] - wall['same']:+.1f} ({wall['main'] / wall['same']:.2f}x) "
         f"| {cpu['main'] - cpu['same']:+.1f} ({cpu['main'] / cpu['same']:.2f}x); "
         f"rounds {', '.join(f'{o:+.1f}' for o in overheads)} |",
-        f"| steps of main.py with host reads (after step 1; logging every {args.log_every}) "
+        f"| steps of main.py with host reads (after step 1; logging every {log_every}) "
         f"| {synced} | |",
     ]
-    print("\n".join(rows), flush=True)
-    return rows
 
 
 def parse_args(argv=None):

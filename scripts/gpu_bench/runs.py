@@ -180,7 +180,32 @@ def rows_loop(args, s, device, emit) -> None:
         return
     where = ["--device", "cuda"] if device.type == "cuda" else []
     out = python([sys.executable, str(script), *where], timeout=args.row_timeout)
-    emit({"row": "loop (scripts/benchmark_loop.py)", "output": tail(out, 12)})
+    figures = loop_figures(out)
+    row = {"row": "loop: main.py against a plain loop (ms per optimizer step)", **figures}
+    emit(row if figures else {**row, "output": tail(out, 12)})
+
+
+# benchmark_loop.py's table rows -> this row's keys (the wall and CPU figures of each)
+LOOP_ROWS = {
+    "plain PyTorch loop": "plain",
+    "main.py, every default callback": "main",
+    "overhead of the loop": "overhead",
+}
+
+
+def loop_figures(output: str) -> dict:
+    """The loop row's figures from benchmark_loop.py's table: wall and CPU ms per step of the
+    plain loop and of main.py, and the loop's own overhead; the steps with host reads."""
+    figures = {}
+    for line in output.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        for label, key in LOOP_ROWS.items():
+            if len(cells) >= 3 and cells[0].startswith(label):
+                wall, cpu = (cell.split()[0] for cell in cells[1:3])
+                figures[f"{key}_ms"], figures[f"{key}_cpu_ms"] = float(wall), float(cpu)
+        if cells and cells[0].startswith("steps of main.py with host reads") and len(cells) > 1:
+            figures["host_read_steps"] = cells[1]
+    return figures
 
 
 def rows_demo(args, s, device, emit) -> None:

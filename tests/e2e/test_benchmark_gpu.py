@@ -120,3 +120,24 @@ def test_the_demo_trains_on_a_gpu_in_bf16_when_there_is_one(demo, monkeypatch):
         overrides = demo.device_overrides(demo.cuda_available())
         trainer = merge_configs([demo.CONFIG], overrides).lightning.trainer
         assert (trainer.accelerator, str(trainer.precision)) == (accelerator, precision)
+
+
+def test_the_loop_row_reads_the_figures_of_benchmark_loops_table():
+    """The GPU run's loop row holds numbers, not benchmark_loop.py's printed table: each figure
+    read from the table as benchmark_loop prints it, the overhead of the loop with its sign."""
+    from benchmark_loop import format_loop_table
+    from gpu_bench.runs import loop_figures
+
+    wall = {"plain": 12.25, "same": 13.5, "main": 12.75}
+    cpu = {"plain": 20.0, "same": 21.0, "main": 22.5}
+    table = format_loop_table("loop", wall, cpu, [1.5, -0.5], "NaN/inf check", [25, 50], 25)
+    figures = loop_figures("progress lines first\n" + "\n".join(table))
+    assert figures == {
+        "plain_ms": 12.2,  # printed to one decimal (round half to even)
+        "plain_cpu_ms": 20.0,
+        "main_ms": 12.8,
+        "main_cpu_ms": 22.5,
+        "overhead_ms": -0.8,  # main - same: wall 12.75 - 13.5
+        "overhead_cpu_ms": 1.5,
+        "host_read_steps": "[25, 50]",
+    }
