@@ -122,10 +122,15 @@ class TrainingContract:
         if key in self._monitored_metrics:
             return True
         trainer = self.trainer
-        if trainer.max_steps > 0 and trainer.global_step + 1 >= trainer.max_steps:
+        if trainer.max_steps > 0 and self.steps_after_this_batch() >= trainer.max_steps:
             return True
         max_epochs = trainer.max_epochs if trainer.max_epochs is not None else -1
         return 0 < max_epochs <= trainer.current_epoch + 1 and trainer.is_last_batch
+
+    def steps_after_this_batch(self) -> int:
+        """Optimizer steps done once this batch's step is (Lightning counts it after
+        `training_step` returns)."""
+        return self.trainer.global_step + 1
 
     def on_train_start(self) -> None:
         # What callbacks and LR schedulers monitor is fixed for the fit: found once here, not
@@ -138,6 +143,10 @@ class TrainingContract:
 class ManualOptimizationContract(TrainingContract):
     """A module that steps two optimizers per batch itself (the VAE's generator and
     discriminator, `ldm.autoencoder_training`)."""
+
+    def steps_after_this_batch(self) -> int:
+        # Its `training_step` steps the optimizers (and so counts the step) before it logs.
+        return self.trainer.global_step
 
     def strategy_problem(
         self, strategy: str, find_unused_parameters: bool = False, resuming: bool = False
