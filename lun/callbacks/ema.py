@@ -242,8 +242,15 @@ class EMA(Callback):
                 # directly, now. A staging copy for a worker thread would cost more CPU time
                 # than the fold it lets overlap (and training already keeps the cores busy); on
                 # a device the fold is queued on its stream like the step's own kernels.
+                device = next(iter(params.values())).device
+                on_device = device.type != "cpu"
+                if timed and on_device:  # time the fold's kernels, not the step's still queued
+                    torch.accelerator.synchronize(device)
+                    start = time.perf_counter()
                 self._fold_in(1.0 - keep, None, self._ordered(params)[0])
                 if timed:
+                    if on_device:  # once, for the plan: the kernels' time, not their launch
+                        torch.accelerator.synchronize(device)
                     self._update_seconds = time.perf_counter() - start
                     self._probe_start = (step, time.perf_counter())
                 elif self._probe_start is not None:
