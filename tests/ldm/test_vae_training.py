@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torch.utils.data import DataLoader
+from trainer_helpers import quiet_trainer
 
 from ldm.autoencoder_training import AutoencoderKLTraining, autoencoder_kl, psnr, ssim
 from ldm.lpips import LPIPS, default_heads_path
@@ -211,16 +212,8 @@ def loader(n=8, size=32, seed=1):
 
 
 def fit(vae, steps, precision="32-true", callbacks=(), n=8, plugins=(), size=16):
-    trainer = pl.Trainer(
-        plugins=list(plugins),
-        accelerator="cpu",
-        max_steps=steps,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=list(callbacks),
+    trainer = quiet_trainer(
+        plugins=list(plugins), max_steps=steps, precision=precision, callbacks=list(callbacks)
     )
     trainer.fit(vae, loader(n, size))
     return trainer

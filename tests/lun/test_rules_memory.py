@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
+from trainer_helpers import quiet_trainer
 
 from ldm.model_contract import TrainingContract
 from lun.memory import memory_plan
@@ -46,16 +47,7 @@ class Tiny(TrainingContract, pl.LightningModule):
 
 
 def plan(strategy="auto", precision="32-true", devices=RANKS, optimizer=torch.optim.AdamW):
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(devices=devices, strategy=strategy, precision=precision)
     made = memory_plan(Tiny(optimizer), trainer, activations=0, host_budget=2**40)
     return {p.name: p.nbytes for p in made.parts}
 

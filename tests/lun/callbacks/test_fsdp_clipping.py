@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, TensorDataset
+from trainer_helpers import quiet_trainer
 
 from lun.config import ConfigError, merge_configs
 from lun.run import RunDir
@@ -39,17 +40,7 @@ def one_step(**kwargs) -> dict[str, torch.Tensor]:
     # DistributedSampler (seeded by PL_GLOBAL_SEED) and the plain run none.
     items = TensorDataset(torch.randn(4, 4, generator=torch.Generator().manual_seed(1)))
     data = DataLoader(items, batch_size=4)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        **kwargs,
-    )
+    trainer = quiet_trainer(devices=1, max_steps=1, use_distributed_sampler=False, **kwargs)
     was_initialized = torch.distributed.is_initialized()
     try:
         trainer.fit(model, data)

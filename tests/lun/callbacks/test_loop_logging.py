@@ -13,6 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
+from trainer_helpers import quiet_trainer
 
 from ldm.util import instantiate_from_config
 
@@ -48,14 +49,11 @@ def fit_tiny(tmp_path, steps: int, every: int, callbacks=(), by_epochs: bool = F
     items = [{"latent": torch.randn(4, 8, 8), "caption": f"shape {i}"} for i in range(2 * steps)]
     end = {"max_epochs": 1} if by_epochs else {"max_steps": steps}
     losses = StepLosses()
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         log_every_n_steps=every,
         logger=CSVLogger(tmp_path, name="csv"),
         callbacks=[losses, *callbacks],
         enable_checkpointing=bool(callbacks),
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
         **end,
     )
@@ -117,15 +115,11 @@ def test_the_autoencoder_logs_its_losses_only_on_logging_steps_and_the_last(tmp_
     losses.on_train_batch_end = lambda trainer, module, outputs, batch, i: losses.losses.update(
         {trainer.global_step: float(outputs["loss"])}
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
         max_steps=6,
         log_every_n_steps=4,
         logger=CSVLogger(tmp_path, name="csv"),
         callbacks=[losses],
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         default_root_dir=tmp_path,
     )
     images = [{"image": torch.rand(3, 32, 32) * 2 - 1} for _ in range(12)]

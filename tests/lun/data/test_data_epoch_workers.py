@@ -15,6 +15,7 @@ from torch.utils.data import get_worker_info
 from ldm.util import instantiate_from_config
 from lun.data import DataModule
 from lun.data.local import Local
+from trainer_helpers import quiet_trainer
 
 
 class PidLocal(Local):
@@ -41,19 +42,9 @@ class PidRecorder(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def quiet_trainer(tmp_path, **trainer_args) -> pl.Trainer:
-    """A CPU Trainer that writes nothing but what the test asks, with the DataModule's own
-    sampler (as main.py runs it)."""
-    return pl.Trainer(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        default_root_dir=tmp_path,
-        **trainer_args,
-    )
+def own_sampler_trainer(tmp_path, **trainer_args) -> pl.Trainer:
+    """A quiet CPU Trainer with the DataModule's own sampler (as main.py runs it)."""
+    return quiet_trainer(use_distributed_sampler=False, default_root_dir=tmp_path, **trainer_args)
 
 
 def test_a_twenty_image_set_keeps_its_workers_across_epochs(tmp_path):
@@ -74,7 +65,7 @@ def test_a_twenty_image_set_keeps_its_workers_across_epochs(tmp_path):
         }
     )
     data, model = instantiate_from_config(config), PidRecorder()
-    trainer = quiet_trainer(tmp_path, max_epochs=4)  # 4 epochs of 5 steps: 3 boundaries
+    trainer = own_sampler_trainer(tmp_path, max_epochs=4)  # 4 epochs of 5 steps: 3 boundaries
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 20 and sorted(model.pids) == [0, 1, 2, 3]
     first = model.pids[0]
@@ -132,7 +123,7 @@ def epoch_items(tmp_path, name: str, num_workers: int, **trainer_args):
     train = {"target": f"{__name__}.LoggedItems", "params": {"log": str(log)}}
     data = DataModule(train, batch_size=4, num_workers=num_workers, seed=3)
     model = EpochRecorder(log, workers=num_workers > 0)
-    trainer = quiet_trainer(tmp_path, **trainer_args)
+    trainer = own_sampler_trainer(tmp_path, **trainer_args)
     trainer.fit(model, datamodule=data)
     return model
 
