@@ -237,12 +237,12 @@ class EMA(Callback):
         timed = not self._reported and self._probe_start is None
         start = time.perf_counter()
         with self._full_weights(pl_module) as params:
-            if next(iter(self.shadows.values())).device == next(iter(params.values())).device:
+            device = next(iter(params.values())).device
+            if next(iter(self.shadows.values())).device == device:
                 # Shadows beside the weights (host memory, or both on the device): fold them in
                 # directly, now. A staging copy for a worker thread would cost more CPU time
                 # than the fold it lets overlap (and training already keeps the cores busy); on
                 # a device the fold is queued on its stream like the step's own kernels.
-                device = next(iter(params.values())).device
                 on_device = device.type != "cpu"
                 if timed and on_device:  # time the fold's kernels, not the step's still queued
                     torch.accelerator.synchronize(device)

@@ -229,14 +229,8 @@ def one_step(model, inputs, dtype):
 def timed(model, inputs, dtype, device, repeats: int = 3):
     """(seconds of the median step, peak GiB, the first step's output and gradients)."""
     result = one_step(model, inputs, dtype)  # also the warm-up
-    seconds = []
-    for _ in range(repeats):
-        synchronize(device)
-        started = time.perf_counter()
-        one_step(model, inputs, dtype)
-        synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    return sorted(seconds)[len(seconds) // 2], peak_gib(device), result
+    steps_per_s = median_rate(lambda: one_step(model, inputs, dtype), device, 1, repeats, 0)
+    return 1 / steps_per_s, peak_gib(device), result
 
 
 def swap_row(s: dict, model, device, kind: str) -> dict:
