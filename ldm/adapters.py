@@ -3,7 +3,7 @@
 A mode owns everything that differs between training the whole backbone and training adapters
 on a frozen base: what it adds to the model before the weights load (`attach`), what it fixes
 after (`after_loading`), the optimizer's parameter groups, what it does to the frozen base at
-fit start (`on_fit_start`), how checkpoints are written and read (`on_save_checkpoint`,
+fit start (`on_fit_start`) and undoes at fit end (`on_fit_end`), how checkpoints are written and read (`on_save_checkpoint`,
 `on_load_checkpoint`) and how its weights fold back into the base (`merge`). `LatentDiffusion`
 calls these hooks and never asks which mode it holds, so a new mode (another adapter kind) is a
 new class behind this interface, not `if`s in the module.
@@ -19,6 +19,7 @@ import dataclasses
 import importlib
 from collections.abc import Mapping
 
+from lightning.pytorch.callbacks import Callback
 from torch import nn
 
 
@@ -66,6 +67,12 @@ class TrainingMode:
         `strategy_casts_parameters`: the strategy holds the parameters in its own form and dtype
         (FSDP, DeepSpeed; what lun's `lun.strategies.casts_parameters` said)."""
 
+    def on_fit_end(self, model: nn.Module) -> None:
+        """When the fit ends - normally, on an exception or on Ctrl-C (`LatentDiffusion.teardown`,
+        `FitEnd`) - undo what `on_fit_start` set up that only the fit's device and loop may hold,
+        so that the model computes in the same process afterwards (sampling, a second fit).
+        Runs before or after the strategy moved the module to the CPU (see `FitEnd`)."""
+
     def on_save_checkpoint(self, model: nn.Module, ckpt: dict) -> None:
         """Rewrite a Lightning checkpoint as it is saved (its `state_dict`)."""
 
@@ -76,6 +83,20 @@ class TrainingMode:
         """Fold the mode's trained weights into the base at `weight`; the number of layers
         changed (none here: the trained weights are the model's own)."""
         return 0
+
+
+class FitEnd(Callback):
+    """The module's `teardown("fit")` on an exception or Ctrl-C too (a LatentDiffusion's own
+    callback, `configure_callbacks`). Lightning 2.6's `Trainer._run` calls the LightningModule's
+    `teardown` hook only when the fit returns (after `Trainer._teardown`, where the strategy
+    moved the module to the CPU); an exception - Ctrl-C included - leaves `fit` through
+    `call._call_and_handle_interrupt`, which calls the callbacks' `on_exception` (`_interrupt`)
+    and then `Trainer._teardown`, never the module's `teardown`. So the mode's `on_fit_end`
+    comes from `teardown` on a normal end and from here otherwise: on all three, once."""
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.state.fn == "fit":
+            pl_module.teardown("fit")
 
 
 class FullFineTune(TrainingMode):

@@ -12,6 +12,10 @@ The backward pass needs the weights again (the gradient of a block's input is W^
 output's), so a swapped block runs under activation checkpointing (Chen et al. 2016,
 arXiv:1604.06174): its forward saves nothing, and the backward recomputes it - loading the block
 again, in reverse order, with the block before it prefetched.
+
+Block swap lasts one fit: `unswap_blocks` (the LoRA mode's `on_fit_end`) gives every swapped block
+its host copies back as its own tensors and removes the wrappers and hooks, so that the model
+computes in the same process afterwards (sampling, a second fit, which swaps again).
 """
 
 import torch
@@ -68,6 +72,8 @@ class BlockSwap:
         self.copying: dict[int, object] = {}
         self.last: int | None = None
         self.host = []  # per block: [(module, name, is_parameter, host tensor)]
+        self.handles = []  # the blocks' state-dict hooks (`swap_blocks`), removed by `unswap`
+        self.own_forwards = []  # per block: a forward it held itself before the wrapper, or None
         for index, block in enumerate(blocks):
             tensors = []
             for module in block.modules():
@@ -202,6 +208,29 @@ class BlockSwap:
 
         return hook
 
+    def unswap(self) -> None:
+        """Every block's frozen tensors are its host copies again, as ordinary tensors of its
+        modules: nothing left on the device, no placeholders, no host-copy entries (so that
+        `host_copy` / `ldm.quantize.stored` read the module's own tensors)."""
+        for index in list(self.loaded):  # waits for a copy still in flight before its free
+            self._evict(index)
+        for index, tensors in enumerate(self.host):
+            self._follow_dtypes(index)  # a `.to(dtype)` since the block last loaded
+            for module, name, is_parameter, host in tensors:
+                if is_parameter:
+                    module._parameters[name].data = host
+                else:
+                    module._buffers[name] = host
+                module.__dict__.pop(HOST_COPIES, None)
+        for handle in self.handles:
+            handle.remove()
+        for block, own in zip(self.blocks, self.own_forwards):
+            if own is None:
+                del block.forward  # the wrapper (an instance attribute): the class's forward
+            else:
+                block.forward = own
+        self.host, self.handles, self.own_forwards, self.copying = [], [], [], {}
+
 
 def _path(root: nn.Module, module: nn.Module) -> str:
     for name, found in root.named_modules():
@@ -229,6 +258,7 @@ def swap_blocks(
 ) -> BlockSwap:
     """Keep the first `count` blocks of `backbone` in host RAM, streamed to `device` when they
     run. Call before the model moves to the device (Lightning's `setup`)."""
+    unswap_blocks(backbone)  # a swap left by a fit that did not end through its hooks
     blocks = blocks_of(backbone)
     if count > len(blocks):
         raise ValueError(
@@ -237,8 +267,20 @@ def swap_blocks(
         )
     swap = BlockSwap(blocks[:count], device, resident)
     for index, block in enumerate(blocks[:count]):
+        swap.own_forwards.append(block.__dict__.get("forward"))
         block.forward = _swapped_forward(swap, index, block.forward)
-        block._register_state_dict_hook(swap.state_dict_hook(index))
-        block._register_load_state_dict_pre_hook(swap.load_hook(index), with_module=True)
+        swap.handles += [
+            block._register_state_dict_hook(swap.state_dict_hook(index)),
+            block._register_load_state_dict_pre_hook(swap.load_hook(index), with_module=True),
+        ]
     backbone.block_swap = swap  # a plain attribute: not a module, not in the state dict
     return swap
+
+
+def unswap_blocks(backbone: nn.Module) -> bool:
+    """Undo `swap_blocks` on `backbone` (see `BlockSwap.unswap`); whether it was swapped."""
+    swap = backbone.__dict__.pop("block_swap", None)
+    if swap is None:
+        return False
+    swap.unswap()
+    return True

@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, objectives
-from ldm.adapters import training_mode
+from ldm.adapters import FitEnd, training_mode
 from ldm.attention import sdpa_kernels
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
@@ -454,6 +454,13 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
     def setup(self, stage: str) -> None:
         if stage == "fit":
             self.training_mode.on_fit_start(self, self.trainer, self.strategy_casts_parameters)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":  # a normal end; an exception's comes through `FitEnd`
+            self.training_mode.on_fit_end(self)
+
+    def configure_callbacks(self):
+        return [FitEnd()]
 
     def on_save_checkpoint(self, ckpt: dict) -> None:
         self.training_mode.on_save_checkpoint(self, ckpt)

@@ -27,6 +27,15 @@ def hold_base_for_training(
         swap_blocks(model.model, settings.blocks_to_swap, trainer.strategy.root_device)
 
 
+def release_base_after_training(model: nn.Module) -> None:
+    """At fit end: block swap undone (`ldm.block_swap.unswap_blocks`), the swapped blocks'
+    weights back in the model as its own host tensors. The dtype and the quantization stay:
+    they are the model's form, not the fit's (a second fit finds them done)."""
+    from ldm.block_swap import unswap_blocks
+
+    unswap_blocks(model.model)
+
+
 def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype, trainer=None) -> int:
     """The frozen backbone quantized as `base_quantization` says (once: `lun.memory_quant`
     may have done it before the plan; "auto" is resolved there, else it means none)."""

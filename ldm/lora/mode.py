@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from ldm.adapters import TrainingMode
-from ldm.lora.base import hold_base_for_training
+from ldm.lora.base import hold_base_for_training, release_base_after_training
 from ldm.lora.checkpoints import load_layout, save_layout
 from ldm.lora.inject import add_adapters, after_loading
 from ldm.lora.merge import merge_adapters
@@ -35,6 +35,9 @@ class LoraMode(TrainingMode):
 
     def on_fit_start(self, model: nn.Module, trainer, strategy_casts_parameters: bool) -> None:
         hold_base_for_training(model, trainer, strategy_casts_parameters)
+
+    def on_fit_end(self, model: nn.Module) -> None:
+        release_base_after_training(model)
 
     def on_save_checkpoint(self, model: nn.Module, ckpt: dict) -> None:
         save_layout(model, ckpt)

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 from torch import nn
 
 from ldm.block_swap import BlockSwap, blocks_of, swap_blocks
@@ -486,3 +487,135 @@ def test_a_backbone_that_does_not_name_its_blocks_is_refused_in_one_line():
     unnamed = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)]))
     with pytest.raises(ValueError, match=r"^model.params.lora: the backbone Sequential does not"):
         blocks_of(DiffusionWrapper(unnamed))
+
+
+# --- block swap lasts one fit: undone when it ends (normally, on an exception, on Ctrl-C) -------
+
+SWAP_SETTINGS = "{{rank: 2, blocks_to_swap: 3, base_quantization: {kind}}}"
+
+
+def tiny_lora(kind: str, swapped: bool = True):
+    """The tiny SD (configs/tiny/ldm.yaml) with LoRA; nonzero lora_B, so that the outputs read
+    the base through every adapted layer. `swapped`: its first 3 blocks swapped during fits."""
+    from pathlib import Path
+
+    from lora_helpers import build, randomize_adapters
+
+    settings = SWAP_SETTINGS.format(kind=kind)
+    if not swapped:
+        settings = settings.replace("blocks_to_swap: 3", "blocks_to_swap: 0")
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "ldm.yaml"
+    model = build(config, settings)
+    randomize_adapters(model)
+    return model
+
+
+class SeesTheSwap(Callback):
+    """Records, at each step, whether the blocks were swapped (empty placeholders present), and
+    raises `error` at step `fail_at`."""
+
+    def __init__(self, error: BaseException | None = None, fail_at: int = 1):
+        self.seen, self.error, self.fail_at = [], error, fail_at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(hasattr(pl_module.model, "block_swap") and placeholders(pl_module) > 0)
+        if self.error is not None and trainer.global_step == self.fail_at:
+            raise self.error
+
+
+def placeholders(model) -> int:
+    return sum(t.numel() == 0 for t in [*model.parameters(), *model.buffers()])
+
+
+def fit(model, steps: int = 2, callback=None):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+    from trainer_helpers import quiet_trainer
+
+    pl.seed_everything(0, verbose=False)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.rand(4, 3, 32, 32, generator=generator) * 2 - 1
+    data = [{"image": image, "caption": "a red circle"} for image in images]
+    callbacks = [callback] if callback is not None else []
+    quiet_trainer(max_steps=steps, callbacks=callbacks).fit(model, DataLoader(data, batch_size=2))
+
+
+def assert_unswapped_as(model, reference):
+    """`model` is `reference` (same weights, never swapped) in every way a later user sees:
+    no swap object, wrappers, hooks, host copies or placeholders; the same state dict; the
+    same outputs (bitwise: the same layers on the same tensors)."""
+    from lora_helpers import unet_output
+
+    from ldm.block_swap import HOST_COPIES
+
+    assert "block_swap" not in model.model.__dict__
+    assert placeholders(model) == 0
+    for block in blocks_of(model.model):
+        assert "forward" not in block.__dict__  # the class's own forward, no wrapper
+        assert not block._state_dict_hooks and not block._load_state_dict_pre_hooks
+        assert all(HOST_COPIES not in m.__dict__ for m in block.modules())
+    expected, got = reference.state_dict(), model.state_dict()
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
+    assert torch.equal(unet_output(model), unet_output(reference))
+
+
+def same_weights_never_swapped(model, kind: str):
+    """A model built as `model` was, without block swap, its base quantized as the fit did
+    and the adapters `model` trained copied in."""
+    from ldm.lora import quantize_blocks
+
+    reference = tiny_lora(kind, swapped=False)
+    if kind != "none":
+        quantize_blocks(reference.model, kind, torch.float32)
+    trained = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if p.requires_grad:
+                p.copy_(trained[name])
+    return reference
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+def test_a_fit_that_ends_gives_the_swapped_blocks_back_to_the_model(kind):
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    model = tiny_lora(kind)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    watch = SeesTheSwap()
+    fit(model, callback=watch)
+    assert watch.seen == [True, True]  # the fit did run swapped
+    trained = dict(model.named_parameters())
+    assert any(not torch.equal(trained[n], p) for n, p in before.items())  # and it trained
+    assert_unswapped_as(model, same_weights_never_swapped(model, kind))
+
+
+@pytest.mark.parametrize("error", [RuntimeError("a step failed"), KeyboardInterrupt()])
+def test_a_fit_stopped_by_an_exception_or_ctrl_c_gives_them_back_too(error):
+    import signal
+
+    model = tiny_lora("fp8")
+    watch = SeesTheSwap(error, fail_at=1)
+    handler = signal.getsignal(signal.SIGINT)
+    try:  # Lightning answers Ctrl-C with sys.exit(1), ignoring further Ctrl-C from then on
+        with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
+            fit(model, callback=watch)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert watch.seen == [True, True]  # stopped in the second step, swapped
+    assert_unswapped_as(model, same_weights_never_swapped(model, "fp8"))
+
+
+def test_a_second_fit_swaps_again_and_trains_as_without_swap():
+    """Two fits in one process, with block swap and without: the same adapters after each
+    (bitwise: the swapped blocks' recompute gives the same gradients), swapped during both."""
+    swapped, plain = tiny_lora("none"), tiny_lora("none", swapped=False)
+    for _ in range(2):
+        watch = SeesTheSwap()
+        fit(swapped, callback=watch)
+        fit(plain)
+        assert watch.seen == [True, True]
+        expected = dict(plain.named_parameters())
+        trainable = [(n, p) for n, p in swapped.named_parameters() if p.requires_grad]
+        assert [n for n, p in trainable if not torch.equal(p, expected[n])] == []
+    assert_unswapped_as(swapped, plain)
