@@ -494,16 +494,14 @@ def test_a_backbone_that_does_not_name_its_blocks_is_refused_in_one_line():
 SWAP_SETTINGS = "{{rank: 2, blocks_to_swap: 3, base_quantization: {kind}}}"
 
 
-def tiny_lora(kind: str, swapped: bool = True):
-    """The tiny SD (configs/tiny/ldm.yaml) with LoRA; nonzero lora_B, so that the outputs read
-    the base through every adapted layer. `swapped`: its first 3 blocks swapped during fits."""
+def tiny_lora(kind: str):
+    """The tiny SD (configs/tiny/ldm.yaml) with LoRA, its first 3 blocks swapped during fits;
+    nonzero lora_B, so that the outputs read the base through every adapted layer."""
     from pathlib import Path
 
     from lora_helpers import build, randomize_adapters
 
     settings = SWAP_SETTINGS.format(kind=kind)
-    if not swapped:
-        settings = settings.replace("blocks_to_swap: 3", "blocks_to_swap: 0")
     config = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "ldm.yaml"
     model = build(config, settings)
     randomize_adapters(model)
@@ -511,15 +509,18 @@ def tiny_lora(kind: str, swapped: bool = True):
 
 
 class SeesTheSwap(Callback):
-    """Records, at each step, whether the blocks were swapped (empty placeholders present), and
-    raises `error` at step `fail_at`."""
+    """Records, at each step, whether the blocks were swapped (empty placeholders present);
+    raises `error` after the first step (blocks loaded and prefetched then)."""
 
-    def __init__(self, error: BaseException | None = None, fail_at: int = 1):
-        self.seen, self.error, self.fail_at = [], error, fail_at
+    def __init__(self, error: BaseException | None = None):
+        self.seen, self.error = [], error
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seen.append(hasattr(pl_module.model, "block_swap") and placeholders(pl_module) > 0)
-        if self.error is not None and trainer.global_step == self.fail_at:
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.error is not None:
+            assert pl_module.model.block_swap.loaded  # the state an interrupted step leaves
             raise self.error
 
 
@@ -527,7 +528,7 @@ def placeholders(model) -> int:
     return sum(t.numel() == 0 for t in [*model.parameters(), *model.buffers()])
 
 
-def fit(model, steps: int = 2, callback=None):
+def fit(model, steps: int = 1, callback=None):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
     from trainer_helpers import quiet_trainer
@@ -560,12 +561,20 @@ def assert_unswapped_as(model, reference):
     assert torch.equal(unet_output(model), unet_output(reference))
 
 
-def same_weights_never_swapped(model, kind: str):
-    """A model built as `model` was, without block swap, its base quantized as the fit did
+def never_swapped(model):
+    """A copy of `model` (before its fit) that fits without block swap."""
+    import dataclasses
+
+    plain = copy.deepcopy(model)
+    plain.lora_settings = dataclasses.replace(plain.lora_settings, blocks_to_swap=0)
+    return plain
+
+
+def with_trained_adapters(reference, model, kind: str):
+    """`reference` (`model` before its fit, never swapped), its base quantized as the fit did
     and the adapters `model` trained copied in."""
     from ldm.lora import quantize_blocks
 
-    reference = tiny_lora(kind, swapped=False)
     if kind != "none":
         quantize_blocks(reference.model, kind, torch.float32)
     trained = dict(model.named_parameters())
@@ -576,46 +585,50 @@ def same_weights_never_swapped(model, kind: str):
     return reference
 
 
-@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+@pytest.mark.slow  # a Lightning fit of the tiny SD
+@pytest.mark.parametrize("kind", ["fp8", "nf4"])
 def test_a_fit_that_ends_gives_the_swapped_blocks_back_to_the_model(kind):
     if kind == "nf4":
         pytest.importorskip("bitsandbytes")
     model = tiny_lora(kind)
+    reference = never_swapped(model)
     before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     watch = SeesTheSwap()
     fit(model, callback=watch)
-    assert watch.seen == [True, True]  # the fit did run swapped
+    assert watch.seen == [True]  # the fit did run swapped
     trained = dict(model.named_parameters())
     assert any(not torch.equal(trained[n], p) for n, p in before.items())  # and it trained
-    assert_unswapped_as(model, same_weights_never_swapped(model, kind))
+    assert_unswapped_as(model, with_trained_adapters(reference, model, kind))
 
 
+@pytest.mark.slow  # a Lightning fit of the tiny SD
 @pytest.mark.parametrize("error", [RuntimeError("a step failed"), KeyboardInterrupt()])
 def test_a_fit_stopped_by_an_exception_or_ctrl_c_gives_them_back_too(error):
     import signal
 
     model = tiny_lora("fp8")
-    watch = SeesTheSwap(error, fail_at=1)
+    reference = never_swapped(model)
+    watch = SeesTheSwap(error)
     handler = signal.getsignal(signal.SIGINT)
     try:  # Lightning answers Ctrl-C with sys.exit(1), ignoring further Ctrl-C from then on
         with pytest.raises(SystemExit if isinstance(error, KeyboardInterrupt) else RuntimeError):
             fit(model, callback=watch)
     finally:
         signal.signal(signal.SIGINT, handler)
-    assert watch.seen == [True, True]  # stopped in the second step, swapped
-    assert_unswapped_as(model, same_weights_never_swapped(model, "fp8"))
+    assert watch.seen == [True]  # stopped after the first step, swapped
+    assert_unswapped_as(model, with_trained_adapters(reference, model, "fp8"))
 
 
+@pytest.mark.slow  # a Lightning fit of the tiny SD
 def test_a_second_fit_swaps_again_and_trains_as_without_swap():
-    """Two fits in one process, with block swap and without: the same adapters after each
-    (bitwise: the swapped blocks' recompute gives the same gradients), swapped during both."""
-    swapped, plain = tiny_lora("none"), tiny_lora("none", swapped=False)
+    """Two fits in one process, with block swap and without: the same adapters and the same
+    model after each (bitwise: the swapped blocks' recompute gives the same gradients), the
+    blocks swapped during both fits."""
+    swapped = tiny_lora("none")
+    plain = never_swapped(swapped)
     for _ in range(2):
         watch = SeesTheSwap()
         fit(swapped, callback=watch)
         fit(plain)
-        assert watch.seen == [True, True]
-        expected = dict(plain.named_parameters())
-        trainable = [(n, p) for n, p in swapped.named_parameters() if p.requires_grad]
-        assert [n for n, p in trainable if not torch.equal(p, expected[n])] == []
-    assert_unswapped_as(swapped, plain)
+        assert watch.seen == [True]
+        assert_unswapped_as(swapped, plain)
