@@ -128,6 +128,31 @@ def test_a_module_wide_dtype_change_after_the_swap_reaches_the_swapped_weights()
     assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
 
 
+def test_unswapping_after_a_dtype_change_gives_the_blocks_the_converted_weights():
+    """A fit under `bf16-true` converts the model after the swap (the test above): at the
+    fit's end the blocks, loaded or not, hold what the model converted without swap holds."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from ldm.block_swap import unswap_blocks
+
+    precision = HalfPrecision("bf16-true")
+    plain = tiny_dit().requires_grad_(False)
+    swapped = copy.deepcopy(plain)
+    swap = swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    x = torch.randn(2, 4, 8, 8, generator=torch.Generator().manual_seed(0))
+    args = (x, torch.tensor([3, 700]), {"y": torch.tensor([0, 1])})
+    with torch.no_grad():
+        swapped(*args)  # the last blocks loaded, the first ones not
+    assert 0 < len(swap.loaded) < SWAPPED
+    plain, swapped = precision.convert_module(plain), precision.convert_module(swapped)
+    args = (x.to(torch.bfloat16), *args[1:])
+    assert unswap_blocks(swapped) and not unswap_blocks(swapped)  # once
+    expected, state = plain.state_dict(), swapped.state_dict()
+    assert all(state[k].dtype == v.dtype and torch.equal(state[k], v) for k, v in expected.items())
+    with torch.no_grad():
+        assert torch.equal(swapped(*args), plain(*args))
+
+
 def test_an_nf4_base_swaps_and_computes_the_same():
     pytest.importorskip("bitsandbytes")
     from ldm.quantize import quantize_frozen
