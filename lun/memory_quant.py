@@ -12,6 +12,8 @@ Bytes per frozen weight (the formats of `ldm.quantize`):
            (fp32) per layer
 
 Block swap keeps the swapped blocks in host RAM and `resident` of them on the device at once.
+On an accelerator their host copies are pinned, one allocation per tensor, and torch's caching
+host allocator rounds each one up to a power of two (`pinned_bytes`): up to twice the bytes.
 
 The launcher's plan (`lun.memory.plan_run`) quantizes the built model before it measures, so its
 parts are the real tensors; `quantization_state_part` adds what bitsandbytes keeps outside the
@@ -22,6 +24,8 @@ one before) and takes the first whose plan fits the device.
 import argparse
 import dataclasses
 import math
+import os
+import re
 import sys
 
 import torch
@@ -46,6 +50,69 @@ def weight_bytes(rows: int, cols: int, kind: str, dtype_size: int = 2) -> int:
         blocks = math.ceil(n / NF4_BLOCK)
         return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4 * 16
     raise ValueError(f"unknown quantization {kind!r}")
+
+
+def host_tensors(rows: int, cols: int, kind: str, dtype_size: int = 2) -> list[int]:
+    """Bytes of each tensor of one frozen weight that block swap holds in host RAM: the layer's
+    parameters and buffers (fp8: the bits and the scales). bitsandbytes' nf4 state is an
+    attribute of the weight, not a tensor of the module: it stays on the device."""
+    n = rows * cols
+    if kind == "none":
+        return [n * dtype_size]
+    if kind in ("fp8", "int8"):
+        return [n, 4 * rows]
+    if kind == "nf4":
+        return [math.ceil(n / 2)]
+    raise ValueError(f"unknown quantization {kind!r}")
+
+
+MiB = 2**20
+# What the user may set for torch's allocators, most important first (c10/core/AllocatorConfig.h:
+# "The primary environment variable for configuration is `PYTORCH_ALLOC_CONF`. For backward
+# compatibility, `PYTORCH_CUDA_ALLOC_CONF` is also supported with lower priority.")
+ALLOC_CONF = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+ROUND_SETTING = "pinned_max_round_threshold_mb"  # both in torch 2.13's libc10 and its header
+
+
+def pinned_limits(environ=os.environ) -> tuple[float, float]:
+    """(pinned_max_round_threshold, pinned_max_cached_size) in bytes as torch reads them from
+    the first of ALLOC_CONF that is set (`key:value` pairs in MiB, comma-separated); no limit
+    (inf) where unset, torch's default."""
+    conf = next((environ[name] for name in ALLOC_CONF if environ.get(name)), "")
+
+    def setting(key: str) -> float:
+        found = re.search(rf"(?:^|,)\s*{key}\s*:\s*(\d+)", conf)
+        return int(found.group(1)) * MiB if found else math.inf
+
+    return setting(ROUND_SETTING), setting("pinned_max_cached_size_mb")
+
+
+def pinned_bytes(nbytes: int, limits: tuple[float, float] = (math.inf, math.inf)) -> int:
+    """Bytes torch's caching host allocator takes for a pinned tensor of `nbytes` (the one
+    owner of this rule). torch 2.13, ATen/core/CachingHostAllocator.h, `allocate`:
+        roundSize = size <= pinned_max_round_threshold() && size <= pinned_max_cached_size()
+                    ? c10::llvm::PowerOf2Ceil(size) : size
+    `limits`: those two settings (`pinned_limits`)."""
+    if nbytes <= min(limits):
+        return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+    return nbytes
+
+
+def swapped_part(tensors: list[int], device: str, limits=None) -> Part:
+    """The host RAM of the swapped blocks' tensors (their sizes in bytes): exact on the CPU
+    (nothing pinned), as the pinned allocator takes it on an accelerator."""
+    exact = sum(tensors)
+    if device == "cpu":
+        return Part("frozen: swapped blocks", exact, HOST, "host RAM")
+    limits = pinned_limits() if limits is None else limits
+    taken = sum(pinned_bytes(t, limits) for t in tensors)
+    detail = "pinned host RAM"
+    if taken > exact:
+        detail += (
+            f", {_gib(taken - exact)} of it torch's power-of-two rounding; "
+            f"PYTORCH_ALLOC_CONF={ROUND_SETTING}:1 takes tensors over 1 MiB as they are"
+        )
+    return Part("frozen: swapped blocks", taken, HOST, detail)
 
 
 def quantization_state_bytes(module: torch.nn.Module) -> int:
@@ -136,11 +203,12 @@ def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
 # --- a plan from parameter counts ------------------------------------------------------------
 @dataclasses.dataclass
 class BlockCounts:
-    """One kind of block: its Linear weights (rows, cols), other values (biases, norms), how
-    many of it, and the activations one of it keeps per token (values, see `ModelCounts`)."""
+    """One kind of block: its Linear weights (rows, cols), its other tensors' lengths (biases,
+    norms), how many of it, and the activations one of it keeps per token (values, see
+    `ModelCounts`)."""
 
     linears: list[tuple[int, int]]
-    other: int
+    other: list[int]
     count: int
     activations_per_token: int
 
@@ -156,7 +224,7 @@ class ModelCounts:
     def total(self) -> int:
         values = sum(r * c for r, c in self.rest_linears) + self.rest_other
         for b in self.blocks:
-            values += b.count * (sum(r * c for r, c in b.linears) + b.other)
+            values += b.count * (sum(r * c for r, c in b.linears) + sum(b.other))
         return values
 
 
@@ -164,13 +232,14 @@ def flux_dev(h: int = 3072, double: int = 19, single: int = 38) -> ModelCounts:
     """Flux.1-dev's transformer (BFL's flux/model.py, FluxParams of "flux-dev"): hidden 3072,
     24 heads of 128, MLP ratio 4, 19 double-stream and 38 single-stream blocks, 64-channel
     patches (16 latent channels x 2 x 2), T5 4096 wide, CLIP pooled 768, guidance embedding.
-    Linear weights by shape (out, in); biases and RMSNorm scales as `other`. Other widths and
-    depths: the same architecture reduced (the plan's checks against measured memory)."""
+    Linear weights by shape (out, in); biases and RMSNorm scales, one vector each, as `other`.
+    Other widths and depths: the same architecture reduced (the plan's checks against measured
+    memory)."""
     mlp, head = 4 * h, 128
     double_linears = 2 * [(6 * h, h), (3 * h, h), (h, h), (mlp, h), (h, mlp)]  # img and txt
-    double_other = 2 * (6 * h + 3 * h + h + mlp + h + 2 * head)
+    double_other = 2 * [6 * h, 3 * h, h, mlp, h, head, head]  # the biases, q and k norms
     single_linears = [(3 * h + mlp, h), (h, h + mlp), (3 * h, h)]  # linear1, linear2, modulation
-    single_other = 3 * h + mlp + h + 3 * h + 2 * head
+    single_other = [3 * h + mlp, h, 3 * h, head, head]
     # Per token, the values one block's forward makes that its backward reads (q, k, v, the
     # attention output, the MLP's hidden before and after its GELU, the modulated inputs), at
     # twice for their gradients while the block's backward runs: an estimate from the shapes.
@@ -201,37 +270,48 @@ def counts_plan(
     resident: int = 2,
     text_tokens: int = 512,
     device_budget: int | None = None,
+    device: str = "cuda",
 ) -> MemoryPlan:
     """The plan of LoRA (all the blocks' Linear layers, `rank`) on `counts`' model in bf16
     compute: base as `kind`, AdamW on fp32 adapters, activation checkpointing per block (block
     swap needs it; without it a 12 B transformer's activations alone pass 24 GiB), latents and
-    text embeddings cached (no VAE or text encoder on the device)."""
+    text embeddings cached (no VAE or text encoder on the device). `device`: the run's ("cpu":
+    everything in host RAM, nothing pinned)."""
     tokens = batch * ((pixels // 16) ** 2 + text_tokens)  # 8x VAE, 2x2 patches
-    parts, block_bytes = [], []
+    on_device = DEVICE if device != "cpu" else HOST
+    parts, block_bytes, block_host = [], [], []  # per block: all its bytes, its host tensors
     for b in counts.blocks:
-        one = sum(weight_bytes(r, c, kind) for r, c in b.linears) + 2 * b.other
+        one = sum(weight_bytes(r, c, kind) for r, c in b.linears) + 2 * sum(b.other)
+        host = [t for r, c in b.linears for t in host_tensors(r, c, kind)] + [
+            2 * v for v in b.other
+        ]
         block_bytes += [one] * b.count
-    swapped = block_bytes[:blocks_to_swap]
-    on_device = sum(block_bytes[blocks_to_swap:])
+        block_host += [host] * b.count
+    swapped = [t for host in block_host[:blocks_to_swap] for t in host]
+    # What block swap leaves on the device of a swapped block: nf4's quantization state
+    kept = sum(block_bytes[:blocks_to_swap]) - sum(swapped)
     rest = sum(weight_bytes(r, c, "none") for r, c in counts.rest_linears) + 2 * counts.rest_other
     detail = f"{counts.total() / 1e9:.2f} B values, blocks {kind}, embedders bf16"
-    parts.append(Part("frozen: base", on_device + rest, DEVICE, detail))
+    base = sum(block_bytes[blocks_to_swap:]) + kept + rest
+    parts.append(Part("frozen: base", base, on_device, detail))
     if swapped:
-        parts.append(Part("frozen: swapped blocks", sum(swapped), HOST, "pinned host RAM"))
-        staging = resident * max(swapped)
-        parts.append(Part("block swap staging", staging, DEVICE, f"{resident} blocks on device"))
+        parts.append(swapped_part(swapped, device))
+        staging = resident * max(sum(host) for host in block_host[:blocks_to_swap])
+        parts.append(Part("block swap staging", staging, on_device, f"{resident} blocks on device"))
     adapters = sum(b.count * sum(rank * (r + c) for r, c in b.linears) for b in counts.blocks)
-    parts.append(Part("weights (trainable)", adapters * 4, DEVICE, f"{adapters / 1e6:.1f} M, fp32"))
-    parts.append(Part("gradients", adapters * 4, DEVICE, "fp32"))
-    parts.append(Part("optimizer state", adapters * 8, DEVICE, "AdamW, 2 fp32 moments"))
+    trainable = f"{adapters / 1e6:.1f} M, fp32"
+    parts.append(Part("weights (trainable)", adapters * 4, on_device, trainable))
+    parts.append(Part("gradients", adapters * 4, on_device, "fp32"))
+    parts.append(Part("optimizer state", adapters * 8, on_device, "AdamW, 2 fp32 moments"))
     depth = sum(b.count for b in counts.blocks)
     saved = depth * tokens * counts.hidden * 2  # each block's input, bf16
     working = max(b.activations_per_token for b in counts.blocks) * tokens * 2
     parts.append(
-        Part("activations", saved + working, DEVICE, f"checkpointed per block, {tokens} tokens")
+        Part("activations", saved + working, on_device, f"checkpointed per block, {tokens} tokens")
     )
-    parts.append(Part("runtime", RUNTIME, DEVICE, "CUDA context, workspaces (assumed)"))
-    return MemoryPlan(parts, "cuda", device_budget=device_budget)
+    if device != "cpu":
+        parts.append(Part("runtime", RUNTIME, DEVICE, "CUDA context, workspaces (assumed)"))
+    return MemoryPlan(parts, device, device_budget=device_budget)
 
 
 def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, MemoryPlan]:

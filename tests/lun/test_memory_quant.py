@@ -21,7 +21,7 @@ def build(counts) -> nn.Module:
         for _ in range(kind.count):
             block = nn.Module()
             block.layers = nn.ModuleList(nn.Linear(c, r, bias=False) for r, c in kind.linears)
-            block.other = nn.Parameter(torch.zeros(kind.other))
+            block.other = nn.ParameterList(torch.zeros(n) for n in kind.other)
             blocks.append(block)
     backbone.blocks = nn.ModuleList(blocks)
     return backbone.requires_grad_(False)
@@ -69,7 +69,7 @@ def test_block_swap_staging_is_the_profiled_peak():
             swap.load(i)
 
     measured = peak_allocated(run_through, torch.device("cpu"))
-    plan = counts_plan(counts, "fp8", blocks_to_swap=len(blocks))
+    plan = counts_plan(counts, "fp8", blocks_to_swap=len(blocks), device="cpu")
     planned = {p.name: p.nbytes for p in plan.parts}
     assert planned["block swap staging"] == pytest.approx(measured, rel=0.10)
     assert planned["frozen: base"] == 0  # every block in host RAM
@@ -146,3 +146,122 @@ def test_the_plan_counts_the_blocks_a_real_flux_quantizes(kind):
     planned = counts_plan(flux_dev(h=256, double=1, single=1), kind).parts[0]
     assert planned.name == "frozen: base"
     assert planned.nbytes == pytest.approx(measured, rel=0.10)
+
+
+# --- pinned host copies as torch's caching host allocator takes them ---------------------------
+
+
+def power_of_two_at_least(n: int) -> int:
+    """c10::llvm::PowerOf2Ceil, by counting up (the rule of ATen/core/CachingHostAllocator.h)."""
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def swapped_tensor_bytes(kind: str, counts) -> list[int]:
+    """The bytes of every tensor the real BlockSwap holds in host RAM for real modules of
+    `counts`' shapes, quantized as `kind`, all their blocks swapped."""
+    from ldm.block_swap import BlockSwap
+    from ldm.quantize import quantize_frozen
+
+    backbone = build(counts).to(torch.bfloat16)
+    quantize_frozen(backbone, kind, torch.bfloat16)
+    swap = BlockSwap(list(backbone.blocks), torch.device("cpu"))
+    return [host.numel() * host.element_size() for block in swap.host for *_, host in block]
+
+
+SWAP_SHAPES = dict(h=512, double=1, single=1)  # tensors from 0.25 KiB to 3 MiB
+
+
+@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+def test_swapped_blocks_count_pinned_rounding_on_an_accelerator_and_exact_bytes_on_the_cpu(
+    kind, monkeypatch
+):
+    if kind == "nf4":
+        pytest.importorskip("bitsandbytes")
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    counts = flux_dev(**SWAP_SHAPES)
+    counts.rest_linears, counts.rest_other = [], 0
+    tensors = swapped_tensor_bytes(kind, counts)
+    depth = SWAP_SHAPES["double"] + SWAP_SHAPES["single"]
+
+    def swapped_part(device):
+        plan = counts_plan(counts, kind, blocks_to_swap=depth, device=device)
+        return {p.name: p for p in plan.parts}["frozen: swapped blocks"]
+
+    rounded = sum(power_of_two_at_least(n) for n in tensors)
+    assert rounded > sum(tensors)  # some sizes here are not powers of two
+    cuda, cpu = swapped_part("cuda"), swapped_part("cpu")
+    assert cuda.nbytes == rounded
+    assert cpu.nbytes == sum(tensors)
+    assert f"{(rounded - sum(tensors)) / 2**20:.1f} MiB of it torch's power-of-two" in cuda.detail
+    assert "rounding" not in cpu.detail
+
+
+def test_the_allocator_settings_turn_the_rounding_off_above_their_size(monkeypatch):
+    """pinned_max_round_threshold_mb / pinned_max_cached_size_mb (c10/core/AllocatorConfig.h,
+    MiB): sizes above either are taken as they are; PYTORCH_ALLOC_CONF over the older
+    PYTORCH_CUDA_ALLOC_CONF."""
+    from lun.memory_quant import pinned_limits
+
+    counts = flux_dev(**SWAP_SHAPES)
+    counts.rest_linears, counts.rest_other = [], 0
+    tensors = swapped_tensor_bytes("none", counts)
+
+    def planned(**env):
+        for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        plan = counts_plan(counts, "none", blocks_to_swap=2, device="cuda")
+        return {p.name: p for p in plan.parts}["frozen: swapped blocks"].nbytes
+
+    def expected(limit_mib):
+        limit = limit_mib * 2**20
+        return sum(power_of_two_at_least(n) if n <= limit else n for n in tensors)
+
+    assert any(n > 2**20 and n != power_of_two_at_least(n) for n in tensors)  # 3 MiB, 1.5 MiB
+    assert expected(1) < expected(2) < sum(power_of_two_at_least(n) for n in tensors)
+    assert planned(PYTORCH_ALLOC_CONF="pinned_max_round_threshold_mb:1") == expected(1)
+    assert planned(
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True,pinned_max_cached_size_mb:1"
+    ) == expected(1)
+    both = dict(PYTORCH_ALLOC_CONF="pinned_max_round_threshold_mb:2")
+    assert planned(**both, PYTORCH_CUDA_ALLOC_CONF="pinned_max_round_threshold_mb:1") == expected(2)
+    assert pinned_limits(
+        {"PYTORCH_ALLOC_CONF": "pinned_max_round_threshold_mb:8,pinned_max_cached_size_mb:2"}
+    ) == (8 * 2**20, 2 * 2**20)
+
+
+def test_full_size_flux_nf4_with_swap_counts_the_rounded_pinned_copies(monkeypatch):
+    """Flux.1-dev, nf4, 20 blocks swapped (its 19 double blocks and a single one) on a GPU:
+    the host part is each swapped tensor rounded up, from BFL's flux/model.py shapes written
+    out here (hidden 3072, MLP 12288, heads of 128; nf4 packs two values a byte; biases and
+    norm scales bf16)."""
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    h, mlp, head = 3072, 12288, 128
+    stream = {  # one of the double block's two streams: (out, in) weights, then vectors
+        "mod.lin": (6 * h, h),
+        "attn.qkv": (3 * h, h),
+        "attn.proj": (h, h),
+        "mlp.0": (mlp, h),
+        "mlp.2": (h, mlp),
+    }
+    stream_vectors = [6 * h, 3 * h, h, mlp, h, head, head]  # the biases, q / k norm scales
+    single = {"linear1": (3 * h + mlp, h), "linear2": (h, h + mlp), "modulation.lin": (3 * h, h)}
+    single_vectors = [3 * h + mlp, h, 3 * h, head, head]
+    double_tensors = 2 * (
+        [r * c // 2 for r, c in stream.values()] + [2 * n for n in stream_vectors]
+    )
+    single_tensors = [r * c // 2 for r, c in single.values()] + [2 * n for n in single_vectors]
+    tensors = 19 * double_tensors + single_tensors
+    plan = counts_plan(flux_dev(), "nf4", blocks_to_swap=20)
+    part = {p.name: p for p in plan.parts}["frozen: swapped blocks"]
+    assert part.nbytes == sum(power_of_two_at_least(n) for n in tensors)
+    assert part.nbytes > 1.1 * sum(tensors)  # what the plan used to count
+    assert "PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:1" in part.detail
+    plan_cpu = counts_plan(flux_dev(), "nf4", blocks_to_swap=20, device="cpu")
+    assert {p.name: p.nbytes for p in plan_cpu.parts}["frozen: swapped blocks"] == sum(tensors)
