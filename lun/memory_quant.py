@@ -108,10 +108,10 @@ def swapped_part(tensors: list[int], device: str, limits=None) -> Part:
     taken = sum(pinned_bytes(t, limits) for t in tensors)
     detail = "pinned host RAM"
     if taken > exact:
-        detail += (
-            f", {_gib(taken - exact)} of it torch's power-of-two rounding; "
-            f"PYTORCH_ALLOC_CONF={ROUND_SETTING}:1 takes tensors over 1 MiB as they are"
-        )
+        detail += f", {_gib(taken - exact)} of it torch's power-of-two rounding"
+        capped = (min(MiB, limits[0]), limits[1])
+        if sum(pinned_bytes(t, capped) for t in tensors) < taken:  # the setting would help
+            detail += f"; PYTORCH_ALLOC_CONF={ROUND_SETTING}:1 takes tensors over 1 MiB as they are"
     return Part("frozen: swapped blocks", taken, HOST, detail)
 
 

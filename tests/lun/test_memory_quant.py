@@ -225,6 +225,9 @@ def test_the_allocator_settings_turn_the_rounding_off_above_their_size(monkeypat
     assert any(n > 2**20 and n != power_of_two_at_least(n) for n in tensors)  # 3 MiB, 1.5 MiB
     assert expected(1) < expected(2) < sum(power_of_two_at_least(n) for n in tensors)
     assert planned(PYTORCH_ALLOC_CONF="pinned_max_round_threshold_mb:1") == expected(1)
+    plan = counts_plan(counts, "none", blocks_to_swap=2, device="cuda")
+    detail = {p.name: p for p in plan.parts}["frozen: swapped blocks"].detail
+    assert "rounding" in detail and "PYTORCH_ALLOC_CONF=" not in detail  # set: not suggested
     assert planned(
         PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True,pinned_max_cached_size_mb:1"
     ) == expected(1)
