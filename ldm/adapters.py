@@ -3,8 +3,9 @@
 A mode owns everything that differs between training the whole backbone and training adapters
 on a frozen base: what it adds to the model before the weights load (`attach`), what it fixes
 after (`after_loading`), the optimizer's parameter groups, what it does to the frozen base at
-fit start (`on_fit_start`) and undoes at fit end (`on_fit_end`), how checkpoints are written and read (`on_save_checkpoint`,
-`on_load_checkpoint`) and how its weights fold back into the base (`merge`). `LatentDiffusion`
+fit start (`on_fit_start`) and undoes at fit end (`on_fit_end`), how checkpoints are written and
+read (`on_save_checkpoint`, `on_load_checkpoint`) and how its weights fold back into the base
+(`merge`). `LatentDiffusion`
 calls these hooks and never asks which mode it holds, so a new mode (another adapter kind) is a
 new class behind this interface, not `if`s in the module.
 
