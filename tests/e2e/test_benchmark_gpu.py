@@ -6,7 +6,6 @@ sheet peak), its budget and time limits, and a `--tiny` run of every row on the 
 
 import importlib.util
 import json
-import subprocess
 import sys
 import time
 
@@ -70,22 +69,16 @@ def test_a_command_past_its_time_limit_is_killed_with_what_it_started(bench):
 
 
 @pytest.mark.slow  # the model, compile and sampling rows and one main.py run (~1 min on 2 cores)
-def test_tiny_runs_the_rows_on_the_cpu(tmp_path):
+def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     """`--tiny` rows at tiny width on the CPU: the model step against diffusers, compile,
     sampling, main.py end to end through the row's timer callback, and block swap. (The cached
     and EMA main.py rows and the demo, ~4 more minutes, run with `--tiny` alone; the launcher,
-    the cache and the demo have their own tests.)"""
+    the cache and the demo have their own tests.) The driver runs in this process (each row
+    group still starts its own, as on the GPU): one start-up of torch fewer."""
     out = tmp_path / "tiny.json"
     rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
-    result = subprocess.run(
-        [sys.executable, "scripts/benchmark_gpu.py", "--tiny", "--out", str(out)]
-        + ["--only", *rows_asked],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert bench.main(["--tiny", "--out", str(out), "--only", *rows_asked]) == 0
+    printed = capsys.readouterr().out
     rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
     errors = {name: row["error"] for name, row in rows.items() if "error" in row}
     assert not errors, errors
@@ -104,7 +97,7 @@ def test_tiny_runs_the_rows_on_the_cpu(tmp_path):
     assert [row["row"].split(", ")[-1] for row in swaps] == ["none base", "fp8 base", "nf4 base"]
     for row in swaps:
         assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
-    assert "| row | img/s | vs diffusers |" in result.stdout
+    assert "| row | img/s | vs diffusers |" in printed
 
 
 def test_the_demo_config_pins_no_device(demo):

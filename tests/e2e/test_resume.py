@@ -27,7 +27,7 @@ from lun.config import check_complete, merge_configs
 from lun.generation import find_config
 
 DEMO = ROOT / "configs" / "demo" / "shapes.yaml"
-STEPS = 9  # N
+STEPS = 6  # N: past the kill, the resumed runs cross an epoch's end (4 steps; 2 on 2 processes)
 # 16 images in batches of 4: 4 steps per epoch on 1 process, 2 on 2. Killed after a checkpoint at
 # an epoch's end (the next epoch's loader starts before the streams are restored) or within one.
 AT_EPOCH_END, MID_EPOCH = 4, 3
