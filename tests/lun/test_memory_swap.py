@@ -171,3 +171,27 @@ def test_a_plan_that_fits_or_runs_on_the_cpu_offers_no_swap(trainer):
     )
     on_cpu = memory_plan(model, trainer, activations=0, host_budget=1)
     assert all(o["name"] != "block swap" for o in [*fits.options, *on_cpu.options])
+
+
+def test_under_bf16_the_plan_holds_the_base_in_bf16_once_and_the_fit_finds_it_done():
+    """The fit-start preparation before the plan is the fit's own, done once: the frozen layers
+    in bf16 with one input cast each, and the fit's second call changes nothing."""
+    model = tiny_lora()
+    trainer = quiet_trainer(max_steps=1, precision="bf16-mixed")
+    plan = parts(memory_plan(model, trainer, activations=0, host_budget=BIG))
+    assert "bf16" in plan["frozen: model"].detail  # counted as the fit holds it
+
+    def held():
+        return {
+            name: (m.weight.dtype, len(m._forward_pre_hooks))
+            for name, m in model.model.named_modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad
+        }
+
+    after_plan = held()
+    assert after_plan and set(after_plan.values()) == {(torch.bfloat16, 1)}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.training_mode.on_fit_start(model, trainer, False)  # what the fit's setup does
+    model.training_mode.on_fit_end(model)
+    assert held() == after_plan
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
