@@ -195,3 +195,44 @@ def test_under_bf16_the_plan_holds_the_base_in_bf16_once_and_the_fit_finds_it_do
     model.training_mode.on_fit_end(model)
     assert held() == after_plan
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_an_nf4_base_keeps_its_quantization_state_on_the_device_when_swapped():
+    """bitsandbytes' nf4 state is an attribute of the weight, not a tensor the swap moves: the
+    plan counts all of it on the device, swapped blocks' too, and only the packed weights go
+    to host RAM."""
+    pytest.importorskip("bitsandbytes")
+    model = build(CONFIG, f"{{rank: 2, blocks_to_swap: {SWAPPED}, base_quantization: nf4}}")
+    model.strategy_casts_parameters = False
+    trainer = quiet_trainer(max_steps=1)
+
+    def plan(count):
+        return parts(
+            memory_plan(
+                with_swap(model, count),
+                trainer,
+                activations=0,
+                device="cuda",
+                device_budget=BIG,
+                host_budget=BIG,
+            )
+        )
+
+    swapped, plain = plan(SWAPPED), plan(0)
+    state = [
+        t
+        for m in model.modules()
+        if hasattr(getattr(m, "weight", None), "quant_state")
+        for t in (m.weight.quant_state.absmax, m.weight.quant_state.code)
+    ]
+    assert swapped["frozen: quantization state"].place == DEVICE
+    assert (
+        swapped["frozen: quantization state"].nbytes == plain["frozen: quantization state"].nbytes
+    )
+    assert (
+        plain["frozen: quantization state"].nbytes
+        >= sum(t.numel() * t.element_size() for t in state)
+        > 0
+    )
+    packed = [t for block in block_bytes(model)[:SWAPPED] for t in block]
+    assert plain["frozen: model"].nbytes - swapped["frozen: model"].nbytes == sum(packed)
