@@ -5,7 +5,9 @@ field lets its users find that out with an out-of-memory kill. The launcher prin
 before training (and alone with `main.py --plan`), and stops with one line and exit status 2,
 before the run folder exists, when the plan does not fit - naming what would make it fit.
 
-Each part is computed from the built model, optimizer, strategy and callbacks, per rank:
+Each part is computed from the built model, optimizer, strategy and callbacks, per rank, with
+the model in the form the fit holds it (`as_the_fit_holds_it`: the training mode's fit start,
+then its fit end):
 
     weights            trainable parameters in the dtype training keeps them
     gradients          one per trainable weight, same dtype
@@ -14,7 +16,8 @@ Each part is computed from the built model, optimizer, strategy and callbacks, p
                        (tensors under 4096 values keep fp32 moments); DeepSpeed adds fp32 master
                        weights under mixed precision
     frozen parts       each frozen top-level module (VAE, text encoder) and the buffers, in
-                       their dtypes
+                       their dtypes; a LoRA's swapped blocks (`blocks_to_swap`) in host RAM and
+                       their staging on the device instead (lun.memory_quant.block_swap_parts)
     activations        measured: one forward and backward pass of the largest bucket at the batch
                        size (allocations counted by torch's profiler on the CPU, the allocator's
                        peak on an accelerator), less the gradients it allocates
