@@ -50,6 +50,7 @@ import psutil
 import torch
 
 from lun import strategies
+from lun.config import ConfigError
 from lun.memory_parts import (
     ACTIVATIONS,
     CHECKPOINT_READ,
@@ -338,12 +339,16 @@ def as_the_fit_holds_it(model, trainer) -> Iterator[None]:
     training dtype, quantized, its blocks swapped onto the run's device), then its fit end
     (`on_fit_end`), which undoes what only the fit may hold (the swap) and leaves the rest (the
     dtype, the quantization), which the fit finds done. A module without a training mode (the
-    VAE trainer) and full fine-tuning are planned as they are."""
+    VAE trainer) and full fine-tuning are planned as they are. A setting the preparation refuses
+    (more blocks to swap than the backbone has) is a ConfigError here, before the run folder."""
     mode = getattr(model, "training_mode", None)
     if mode is None:
         yield
         return
-    mode.on_fit_start(model, trainer, getattr(model, "strategy_casts_parameters", False))
+    try:
+        mode.on_fit_start(model, trainer, getattr(model, "strategy_casts_parameters", False))
+    except ValueError as err:  # a setting the mode refuses (it names the key): before the run
+        raise ConfigError(str(err).strip().splitlines()[0]) from err
     try:
         yield
     finally:

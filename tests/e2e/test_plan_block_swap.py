@@ -64,3 +64,31 @@ def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_conf
     assert adapters and any(not torch.equal(loaded[k], fresh[k]) for k in adapters)  # trained
     frozen = [n for n, p in built.named_parameters() if not p.requires_grad]
     assert all(loaded[k].numel() == fresh[k].numel() > 0 for k in frozen)
+
+
+def test_more_blocks_to_swap_than_the_backbone_has_is_one_line_before_the_run_folder(
+    tmp_path, tiny_config, shapes_dir
+):
+    result = run_main_here(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            "model.params.lora={rank: 2, blocks_to_swap: 99}",
+            "-l",
+            str(tmp_path / "logs"),
+            "-t",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()
+    line = result.stderr.strip().splitlines()[-1]
+    depth = len(
+        blocks_of(
+            instantiate_from_config(to_container(merge_configs([tiny_config]))["model"]).model
+        )
+    )
+    assert (
+        f"model.params.lora.blocks_to_swap: 99 is more than the backbone's {depth} blocks" in line
+    )
