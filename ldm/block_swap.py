@@ -24,6 +24,8 @@ from torch.utils.checkpoint import checkpoint
 
 # A swapped module's attribute: its frozen tensors' host copies by name (`host_copy`)
 HOST_COPIES = "block_swap_host_copies"
+# Swapped blocks on the device at once: the one computing and the next one, copied in ahead
+RESIDENT = 2
 
 
 def host_copy(module: nn.Module, name: str) -> torch.Tensor | None:
@@ -58,7 +60,7 @@ class BlockSwap:
     """Streams `blocks` (in their running order) between host RAM and `device`, keeping at most
     `resident` of them there (2: the one computing and the one prefetched)."""
 
-    def __init__(self, blocks: list[nn.Module], device: torch.device, resident: int = 2):
+    def __init__(self, blocks: list[nn.Module], device: torch.device, resident: int = RESIDENT):
         if resident < 1:
             raise ValueError("block swap: at least one block must fit on the device")
         self.blocks, self.device, self.resident = blocks, torch.device(device), resident
@@ -75,14 +77,10 @@ class BlockSwap:
         self.handles = []  # the blocks' state-dict hooks (`swap_blocks`), removed by `unswap`
         self.own_forwards = []  # per block: a forward it held itself before the wrapper, or None
         for index, block in enumerate(blocks):
-            tensors = []
-            for module in block.modules():
-                for name, p in module.named_parameters(recurse=False):
-                    if not p.requires_grad:
-                        tensors.append((module, name, True, self._to_host(p.data, accelerator)))
-                for name, b in module.named_buffers(recurse=False):
-                    if b is not None:
-                        tensors.append((module, name, False, self._to_host(b, accelerator)))
+            tensors = [
+                (module, name, is_parameter, self._to_host(t.data, accelerator))
+                for module, name, is_parameter, t in _frozen_named(block)
+            ]
             self.host.append(tensors)
             for module, name, _, host in tensors:  # for readers of the stored weights
                 module.__dict__.setdefault(HOST_COPIES, {})[name] = host
@@ -94,6 +92,11 @@ class BlockSwap:
     def _to_host(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
         host = tensor.detach().to("cpu")  # on the CPU already: the same storage, no copy
         return host.pin_memory() if pin else host  # pinned: copies can run asynchronously
+
+    def host_tensors(self) -> list[list[torch.Tensor]]:
+        """Per swapped block, in running order, the host copies of its frozen tensors: what the
+        swap holds in host RAM and copies to the device when the block runs."""
+        return [[host for *_, host in tensors] for tensors in self.host]
 
     def _set(self, index: int, tensors: list[torch.Tensor] | None) -> None:
         """Point block `index`'s tensors at `tensors` (on the device), or at empty placeholders
@@ -253,8 +256,31 @@ def _swapped_forward(swap: BlockSwap, index: int, forward):
     return swapped
 
 
+def _frozen_named(block: nn.Module):
+    """(module, name, is_parameter, tensor) of each tensor a swap moves to host RAM: the block's
+    frozen parameters and its buffers (the adapters train on the device). bitsandbytes' nf4
+    state is an attribute of the weight, not a tensor of the module: it stays where it is."""
+    for module in block.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                yield module, name, True, p
+        for name, b in module.named_buffers(recurse=False):
+            if b is not None:
+                yield module, name, False, b
+
+
+def frozen_tensors(block: nn.Module) -> list[torch.Tensor]:
+    """The tensors of `block` that a swap would hold in host RAM (see `_frozen_named`)."""
+    return [t for *_, t in _frozen_named(block)]
+
+
+def swaps_in(module: nn.Module) -> list[BlockSwap]:
+    """The block swaps active in `module` (a backbone's, wherever it sits in the model)."""
+    return [m.__dict__["block_swap"] for m in module.modules() if "block_swap" in m.__dict__]
+
+
 def swap_blocks(
-    backbone: nn.Module, count: int, device: torch.device, resident: int = 2
+    backbone: nn.Module, count: int, device: torch.device, resident: int = RESIDENT
 ) -> BlockSwap:
     """Keep the first `count` blocks of `backbone` in host RAM, streamed to `device` when they
     run. Call before the model moves to the device (Lightning's `setup`)."""

@@ -5,7 +5,9 @@ field lets its users find that out with an out-of-memory kill. The launcher prin
 before training (and alone with `main.py --plan`), and stops with one line and exit status 2,
 before the run folder exists, when the plan does not fit - naming what would make it fit.
 
-Each part is computed from the built model, optimizer, strategy and callbacks, per rank:
+Each part is computed from the built model, optimizer, strategy and callbacks, per rank, with
+the model in the form the fit holds it (`as_the_fit_holds_it`: the training mode's fit start,
+then its fit end):
 
     weights            trainable parameters in the dtype training keeps them
     gradients          one per trainable weight, same dtype
@@ -14,7 +16,8 @@ Each part is computed from the built model, optimizer, strategy and callbacks, p
                        (tensors under 4096 values keep fp32 moments); DeepSpeed adds fp32 master
                        weights under mixed precision
     frozen parts       each frozen top-level module (VAE, text encoder) and the buffers, in
-                       their dtypes
+                       their dtypes; a LoRA's swapped blocks (`blocks_to_swap`) in host RAM and
+                       their staging on the device instead (lun.memory_quant.block_swap_parts)
     activations        measured: one forward and backward pass of the largest bucket at the batch
                        size (allocations counted by torch's profiler on the CPU, the allocator's
                        peak on an accelerator), less the gradients it allocates
@@ -38,7 +41,8 @@ state and EMA plus the one tensor being read (`lun.atomic_io.lazy_load_checkpoin
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +50,7 @@ import psutil
 import torch
 
 from lun import strategies
+from lun.config import ConfigError
 from lun.memory_parts import (
     ACTIVATIONS,
     CHECKPOINT_READ,
@@ -295,10 +300,11 @@ def _checkpoint_save_part(trainer, weights: int, optimizer: int, ema: int, shard
     return Part(CHECKPOINT_SAVE, 0, HOST, "streams the tensors that exist")
 
 
-def _process_part(model) -> Part:
-    """Resident memory of this process besides the model's tensors in CPU memory."""
+def _process_part(model, host_tensors=()) -> Part:
+    """Resident memory of this process besides the model's tensors in CPU memory and
+    `host_tensors` (the swapped blocks' host copies, counted in their own part)."""
     cpu_tensors = _unique(
-        t for t in [*model.parameters(), *model.buffers()] if t.device.type == "cpu"
+        t for t in [*model.parameters(), *model.buffers(), *host_tensors] if t.device.type == "cpu"
     )
     rss = psutil.Process().memory_info().rss
     return Part("process", max(rss - _nbytes(cpu_tensors), 0), HOST, "Python, libraries, data")
@@ -326,6 +332,29 @@ def device_memory_budget(device: torch.device) -> int | None:
 
 
 # --- the plan -------------------------------------------------------------------------------
+@contextmanager
+def as_the_fit_holds_it(model, trainer) -> Iterator[None]:
+    """`model` in the form the fit trains it while the plan counts and measures it: its training
+    mode's fit-start preparation (`ldm.adapters.TrainingMode.on_fit_start`: a LoRA base in its
+    training dtype, quantized, its blocks swapped onto the run's device), then its fit end
+    (`on_fit_end`), which undoes what only the fit may hold (the swap) and leaves the rest (the
+    dtype, the quantization), which the fit finds done. A module without a training mode (the
+    VAE trainer) and full fine-tuning are planned as they are. A setting the preparation refuses
+    (more blocks to swap than the backbone has) is a ConfigError here, before the run folder."""
+    mode = getattr(model, "training_mode", None)
+    if mode is None:
+        yield
+        return
+    try:
+        mode.on_fit_start(model, trainer, getattr(model, "strategy_casts_parameters", False))
+    except ValueError as err:  # a setting the mode refuses (it names the key): before the run
+        raise ConfigError(str(err).strip().splitlines()[0]) from err
+    try:
+        yield
+    finally:
+        mode.on_fit_end(model)
+
+
 def memory_plan(
     model,
     trainer,
@@ -333,23 +362,47 @@ def memory_plan(
     host_budget: int | None = None,
     device_budget: int | None = None,
     activations: int | None = None,
+    device: torch.device | str | None = None,
 ) -> MemoryPlan:
-    """The plan of training `model` with `trainer` (built, not yet fitted).
+    """The plan of training `model` with `trainer` (built, not yet fitted), in the form the fit
+    holds it (`as_the_fit_holds_it`).
 
     `batch`: the probe batch (see `probe_batch`); its step's activations are measured unless
     `activations` is given. Budgets default to this machine's (`host_memory_budget`, the device's
-    total memory).
+    total memory). `device`: where the plan places the parts (default: the trainer's device,
+    where the probe runs; another one plans an accelerator's run from this process).
     """
-    device = trainer.strategy.root_device
+    device = torch.device(device) if device is not None else trainer.strategy.root_device
     world = trainer.num_devices * trainer.num_nodes
     local = trainer.num_devices
     sharding = strategies.sharding(trainer.strategy, world, local)
     precision = _precision(trainer, sharding)
+    with as_the_fit_holds_it(model, trainer):
+        parts = _parts(model, trainer, batch, activations, device, sharding, precision)
+    plan = MemoryPlan(
+        parts,
+        str(device),
+        local_ranks=local,
+        host_budget=host_budget if host_budget is not None else host_memory_budget(),
+        device_budget=device_budget if device_budget is not None else device_memory_budget(device),
+    )
+    from lun.callbacks.ema import find_ema
+
+    place_ema(plan, find_ema(trainer) if any(p.name == "EMA" for p in parts) else None)
+    plan.options = _options(plan, model, trainer, batch, sharding, precision)
+    return plan
+
+
+def _parts(model, trainer, batch, activations, device, sharding, precision) -> list[Part]:
+    """The plan's parts (see the module's docstring), `model` as the fit holds it."""
     trainable = _unique(p for p in model.parameters() if p.requires_grad)
     trainable_ids = {id(p) for p in trainable}
 
     def dtype_of(p):
         return precision.weight_dtype(p, trainable=True)
+
+    def frozen_dtype(t):
+        return precision.weight_dtype(t, trainable=False)
 
     weights = sum(p.numel() * _size(dtype_of(p)) for p in trainable)
     count = sum(p.numel() for p in trainable)
@@ -382,11 +435,14 @@ def memory_plan(
         size = _size(dtype_of(trainable[0]))
         detail = f"{sharding.buckets / 1e6:.0f} M values (reduce_bucket_size)"
         parts.append(Part("DeepSpeed buckets", sharding.buckets * size, DEVICE, detail))
-    parts += _frozen_parts(model, precision, trainable_ids)
-    from lun.memory_quant import quantization_state_part  # (it imports this module)
+    parts += _frozen_parts(model, precision, trainable_ids)  # swapped blocks: placeholders
+    from lun.memory_quant import STAGING, block_swap_parts, quantization_state_part
 
     parts += quantization_state_part(model)  # bitsandbytes' scales: not parameters or buffers
-    process = _process_part(model)  # before the probe, whose freed blocks the heap keeps
+    swap = block_swap_parts(model, str(device), lambda t: t.numel() * _size(frozen_dtype(t)))
+    parts += swap
+    host_copies = _swapped_host_tensors(model)
+    process = _process_part(model, host_copies)  # before the probe (its freed blocks stay)
     how = "measured by one probe step"
     if activations is None and (batch is None or model.steps_own_optimizers):
         # A module that steps its own optimizers (the VAE's GAN) cannot run a step without a
@@ -399,6 +455,13 @@ def memory_plan(
             if not is_out_of_memory(err):
                 raise
             raise _refusal(err, f"the probe step (batch {_batch_size(batch)})", device) from err
+        # The probe's peak holds the swapped blocks it streamed in (at most `resident` of them,
+        # each at most the largest): the staging part counts them, so they come off here -
+        # activations + staging is the measured peak, nothing counted twice.
+        staging = sum(p.nbytes for p in swap if p.name == STAGING)
+        if staging:
+            activations = max(activations - staging, 0)
+            how += f", less the {_gib(staging)} of swapped blocks it streamed in"
     parts.append(Part(ACTIVATIONS, activations, DEVICE, how))
     ema = _ema_parts(trainer, model, precision)
     parts += ema
@@ -423,19 +486,13 @@ def memory_plan(
     if device.type == "cpu":
         for part in parts:
             part.place = HOST
-    plan = MemoryPlan(
-        parts,
-        str(device),
-        local_ranks=local,
-        host_budget=host_budget if host_budget is not None else host_memory_budget(),
-        device_budget=device_budget if device_budget is not None else device_memory_budget(device),
-    )
-    if ema:
-        from lun.callbacks.ema import find_ema
+    return parts
 
-        place_ema(plan, find_ema(trainer))
-    plan.options = _options(plan, model, trainer, batch, sharding)
-    return plan
+
+def _swapped_host_tensors(model) -> list[torch.Tensor]:
+    from ldm.block_swap import swaps_in
+
+    return [t for swap in swaps_in(model) for block in swap.host_tensors() for t in block]
 
 
 def _shared(ranks: int) -> str:
@@ -453,7 +510,9 @@ def _eight_bit_bytes(optimizer) -> int:
     )
 
 
-def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> list[dict]:
+def _options(
+    plan: MemoryPlan, model, trainer, batch, sharding: Sharding, precision: Precision
+) -> list[dict]:
     """What would shrink the plan, each with the memory it saves per place (a machine's host RAM
     counts all its processes): the options a user has in this trainer's configs."""
     parts = {p.name: p for p in plan.parts}
@@ -515,6 +574,11 @@ def _options(plan: MemoryPlan, model, trainer, batch, sharding: Sharding) -> lis
                 "saves": {DEVICE: parts["optimizer state"].nbytes},
             }
         )
+    from lun.memory_quant import swap_option
+
+    options += swap_option(  # a LoRA's frozen blocks to host RAM
+        plan, model, lambda t: t.numel() * _size(precision.weight_dtype(t, trainable=False))
+    )
     options.append(
         {
             "name": "LoRA",

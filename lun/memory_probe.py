@@ -122,7 +122,9 @@ def measure_activations(model, batch, trainer) -> int:
     """Peak activation memory of one training step (forward and backward) on the run's device,
     without the gradients; the weights, random streams and gradients are left as they were."""
     device = trainer.strategy.root_device
-    was = next(model.parameters()).device
+    # Where the model lives (a swapped block's empty placeholders are on the run's device
+    # already: `lun.memory.as_the_fit_holds_it`); `model.to(device)` moves them and the rest.
+    was = next(p.device for p in model.parameters() if p.numel())
     trainable = [p for p in model.parameters() if p.requires_grad]
     name = str(trainer.precision)
     true_dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}.get(name)

@@ -115,6 +115,70 @@ def swapped_part(tensors: list[int], device: str, limits=None) -> Part:
     return Part("frozen: swapped blocks", taken, HOST, detail)
 
 
+STAGING = "block swap staging"
+
+
+def block_swap_parts(model: torch.nn.Module, device: str, size_of) -> list[Part]:
+    """The parts of the block swaps active in `model` (`ldm.block_swap.swaps_in`): the swapped
+    blocks' frozen tensors in host RAM (`swapped_part`) and, on the device, `resident` blocks
+    at once, each up to the largest (as `counts_plan`). `size_of(tensor)`: its bytes as the
+    run holds it (the plan's dtypes). The device's frozen parts leave these tensors out by
+    themselves: a swapped block's module holds empty placeholders."""
+    from ldm.block_swap import swaps_in
+
+    swaps = swaps_in(model)
+    if not swaps:
+        return []
+    blocks = [[size_of(t) for t in block] for s in swaps for block in s.host_tensors()]
+    resident = max(s.resident for s in swaps)
+    staging = resident * max(sum(block) for block in blocks)
+    on_device = DEVICE if device != "cpu" else HOST
+    detail = f"{resident} of the {len(blocks)} swapped blocks on the device at once"
+    return [
+        swapped_part([t for block in blocks for t in block], device),
+        Part(STAGING, staging, on_device, detail),
+    ]
+
+
+def swap_option(plan: MemoryPlan, model: torch.nn.Module, size_of) -> list[dict]:
+    """`model.params.lora.blocks_to_swap: N` for a LoRA whose device peak is over its budget,
+    N the fewest blocks (beyond those swapped now) whose swap makes it fit: the device loses
+    their frozen tensors and holds `resident` of the largest swapped (`block_swap_parts`),
+    the rest of the plan as it is. Where no N fits, the option says so with what swapping
+    every block would save. `size_of` as in `block_swap_parts`; `model` unswapped."""
+    from ldm.block_swap import RESIDENT, blocks_of, frozen_tensors
+
+    settings = getattr(model, "lora_settings", None)
+    budget = plan.budget(DEVICE)
+    if (
+        getattr(settings, "blocks_to_swap", None) is None
+        or plan.device == "cpu"  # host RAM either way: nothing to gain
+        or budget is None
+        or plan.peak(DEVICE) <= budget
+    ):
+        return []
+    try:
+        blocks = blocks_of(model.model)
+    except ValueError:  # a backbone that does not name its blocks cannot swap them
+        return []
+    sizes = [sum(size_of(t) for t in frozen_tensors(b)) for b in blocks]
+    now = settings.blocks_to_swap
+
+    def device_bytes(count: int) -> int:  # what the blocks and their staging take on the device
+        staging = RESIDENT * max(sizes[:count]) if count else 0
+        return sum(sizes[count:]) + staging
+
+    peak = plan.peak(DEVICE)
+    for count in range(now + 1, len(blocks) + 1):
+        saves = device_bytes(now) - device_bytes(count)
+        if peak - saves <= budget:
+            how = f"model.params.lora.blocks_to_swap: {count} (of {len(blocks)} blocks)"
+            return [{"name": "block swap", "how": how, "saves": {DEVICE: saves}}]
+    saves = device_bytes(now) - device_bytes(len(blocks))
+    how = f"model.params.lora.blocks_to_swap: {len(blocks)} (every block) is not enough alone"
+    return [{"name": "block swap", "how": how, "saves": {DEVICE: max(saves, 0)}}]
+
+
 def quantization_state_bytes(module: torch.nn.Module) -> int:
     """Bytes bitsandbytes keeps outside parameters and buffers: int8's row scales (SCB) and
     nf4's quantization state (absmax, the second level, the maps)."""
@@ -143,15 +207,15 @@ def quantization_state_part(model: torch.nn.Module) -> list[Part]:
     return [Part("frozen: quantization state", nbytes, DEVICE, "bitsandbytes scales and absmax")]
 
 
-def _frozen_block_layers(model) -> list[tuple[int, int]]:
+def _frozen_block_layers(model, skip: int = 0) -> list[tuple[int, int]]:
     """(rows, cols) of the frozen Linear / Conv2d weights in the backbone's blocks: what
-    `ldm.lora.quantize_blocks` quantizes."""
+    `ldm.lora.quantize_blocks` quantizes; the first `skip` blocks left out (swapped: host RAM)."""
     from torch import nn
 
     from ldm.block_swap import blocks_of
 
     found = []
-    for block in blocks_of(model.model):
+    for block in blocks_of(model.model)[skip:]:
         for m in block.modules():
             if type(m) in (nn.Linear, nn.Conv2d) and not m.weight.requires_grad:
                 found.append((m.weight.shape[0], m.weight[0].numel()))
@@ -180,13 +244,15 @@ def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
     plan = make_plan()
     place = DEVICE if plan.device != "cpu" else HOST
     budget = plan.budget(place)
-    layers = _frozen_block_layers(model)
+    layers = _frozen_block_layers(model, skip=settings.blocks_to_swap)  # on the device
     size = dtype.itemsize
     now = sum(weight_bytes(r, c, "none", size) for r, c in layers)
     device = trainer.strategy.root_device
     chosen, need = "none", plan.peak(place)
     for kind in ORDER:
         if kind != "none" and quantize.unsupported(kind, device):
+            continue
+        if kind == "int8" and settings.blocks_to_swap:  # refused with block swap (settings)
             continue
         need = plan.peak(place) - now + sum(weight_bytes(r, c, kind, size) for r, c in layers)
         chosen = kind

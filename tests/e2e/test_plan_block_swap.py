@@ -1,0 +1,94 @@
+"""`main.py -t` on a LoRA with block swap: the plan it runs before the run folder holds the
+swapped blocks in host RAM (their bytes from the model's own blocks), and the fit after that plan
+still swaps, trains and saves a checkpoint of the whole model (no placeholders)."""
+
+import json
+
+import pytest
+import torch
+from run_helpers import run_main_here
+
+from ldm import checkpoint
+from ldm.block_swap import blocks_of
+from ldm.util import instantiate_from_config
+from lun.config import merge_configs, to_container
+
+SWAPPED = 3
+
+
+@pytest.mark.slow  # a one-step Lightning fit of the tiny SD
+def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_config, shapes_dir):
+    logs = tmp_path / "logs"
+    # A "pretrained" base: every weight moved off its init (the UNet's zero output layer would
+    # pass no gradient to the adapters).
+    torch.manual_seed(0)
+    base = instantiate_from_config(to_container(merge_configs([tiny_config]))["model"])
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.save({"state_dict": base.state_dict()}, tmp_path / "base.ckpt")
+    result = run_main_here(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            f"model.params.ckpt_path={tmp_path / 'base.ckpt'}",
+            "model.base_learning_rate=1.0e-2",
+            f"model.params.lora={{rank: 2, blocks_to_swap: {SWAPPED}}}",
+            "lightning.trainer.max_steps=1",
+            "-l",
+            str(logs),
+            "-t",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = list(logs.iterdir())
+    configs = sorted((run / "configs").glob("*.yaml"))
+    built = instantiate_from_config(to_container(merge_configs(configs))["model"])
+    swapped = sum(
+        t.numel() * t.element_size()
+        for block in blocks_of(built.model)[:SWAPPED]
+        for t in [*(p for p in block.parameters() if not p.requires_grad), *block.buffers()]
+    )
+    plan = {p["name"]: p for p in json.loads((run / "memory-plan.json").read_text())["parts"]}
+    assert plan["frozen: swapped blocks"]["nbytes"] == swapped
+
+    # The checkpoint is the whole model in its saved layout: a model built from the run's
+    # configs loads it strictly (every key, every shape: no placeholder of a swapped block).
+    ckpt = run / "checkpoints" / "last.ckpt"
+    fresh = {k: v.clone() for k, v in built.state_dict().items()}
+    checkpoint.load_weights(built, ckpt, ema=False)
+    loaded = built.state_dict()
+    adapters = [k for k in loaded if ".lora_B." in k]
+    assert adapters and any(not torch.equal(loaded[k], fresh[k]) for k in adapters)  # trained
+    frozen = [n for n, p in built.named_parameters() if not p.requires_grad]
+    assert all(loaded[k].numel() == fresh[k].numel() > 0 for k in frozen)
+
+
+def test_more_blocks_to_swap_than_the_backbone_has_is_one_line_before_the_run_folder(
+    tmp_path, tiny_config, shapes_dir
+):
+    result = run_main_here(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            "model.params.lora={rank: 2, blocks_to_swap: 99}",
+            "-l",
+            str(tmp_path / "logs"),
+            "-t",
+        ],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and not (tmp_path / "logs").exists()
+    line = result.stderr.strip().splitlines()[-1]
+    depth = len(
+        blocks_of(
+            instantiate_from_config(to_container(merge_configs([tiny_config]))["model"]).model
+        )
+    )
+    assert (
+        f"model.params.lora.blocks_to_swap: 99 is more than the backbone's {depth} blocks" in line
+    )
