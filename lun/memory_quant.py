@@ -140,13 +140,34 @@ def block_swap_parts(model: torch.nn.Module, device: str, size_of) -> list[Part]
     ]
 
 
+def fewest_blocks(peak: int, budget: int, sizes: list[int], now: int = 0) -> int | None:
+    """The fewest blocks N (more than `now`, at most all) whose swap brings a device `peak` (with
+    `now` blocks swapped) within `budget`: the device loses their frozen bytes (`sizes`, per
+    block in the order they run) and holds `RESIDENT` of the largest swapped at once
+    (`block_swap_parts`), the rest as it is. None: not even every block. The one owner of this
+    rule: the plan's option and `blocks_to_swap: auto` both ask it."""
+    for count in range(now + 1, len(sizes) + 1):
+        if peak - swap_saves(sizes, now, count) <= budget:
+            return count
+    return None
+
+
+def swap_saves(sizes: list[int], now: int, count: int) -> int:
+    """Device bytes that swapping `count` blocks instead of `now` saves (see `fewest_blocks`)."""
+    from ldm.block_swap import RESIDENT
+
+    def device_bytes(n: int) -> int:  # what the blocks and their staging take on the device
+        return sum(sizes[n:]) + (RESIDENT * max(sizes[:n]) if n else 0)
+
+    return device_bytes(now) - device_bytes(count)
+
+
 def swap_option(plan: MemoryPlan, model: torch.nn.Module, size_of) -> list[dict]:
     """`model.params.lora.blocks_to_swap: N` for a LoRA whose device peak is over its budget,
-    N the fewest blocks (beyond those swapped now) whose swap makes it fit: the device loses
-    their frozen tensors and holds `resident` of the largest swapped (`block_swap_parts`),
-    the rest of the plan as it is. Where no N fits, the option says so with what swapping
-    every block would save. `size_of` as in `block_swap_parts`; `model` unswapped."""
-    from ldm.block_swap import RESIDENT, blocks_of, frozen_tensors
+    N the fewest blocks (beyond those swapped now) whose swap makes it fit (`fewest_blocks`),
+    kept in the option as "blocks_to_swap" (None where no N fits: the option says so with what
+    swapping every block would save). `size_of` as in `block_swap_parts`; `model` unswapped."""
+    from ldm.block_swap import blocks_of, frozen_tensors
 
     settings = getattr(model, "lora_settings", None)
     budget = plan.budget(DEVICE)
@@ -162,21 +183,15 @@ def swap_option(plan: MemoryPlan, model: torch.nn.Module, size_of) -> list[dict]
     except ValueError:  # a backbone that does not name its blocks cannot swap them
         return []
     sizes = [sum(size_of(t) for t in frozen_tensors(b)) for b in blocks]
-    now = settings.blocks_to_swap
-
-    def device_bytes(count: int) -> int:  # what the blocks and their staging take on the device
-        staging = RESIDENT * max(sizes[:count]) if count else 0
-        return sum(sizes[count:]) + staging
-
-    peak = plan.peak(DEVICE)
-    for count in range(now + 1, len(blocks) + 1):
-        saves = device_bytes(now) - device_bytes(count)
-        if peak - saves <= budget:
-            how = f"model.params.lora.blocks_to_swap: {count} (of {len(blocks)} blocks)"
-            return [{"name": "block swap", "how": how, "saves": {DEVICE: saves}}]
-    saves = device_bytes(now) - device_bytes(len(blocks))
-    how = f"model.params.lora.blocks_to_swap: {len(blocks)} (every block) is not enough alone"
-    return [{"name": "block swap", "how": how, "saves": {DEVICE: max(saves, 0)}}]
+    now = settings.swapped_blocks
+    count = fewest_blocks(plan.peak(DEVICE), budget, sizes, now)
+    if count is not None:
+        how = f"model.params.lora.blocks_to_swap: {count} (of {len(blocks)} blocks)"
+        saves = swap_saves(sizes, now, count)
+    else:
+        how = f"model.params.lora.blocks_to_swap: {len(blocks)} (every block) is not enough alone"
+        saves = max(swap_saves(sizes, now, len(blocks)), 0)
+    return [{"name": "block swap", "how": how, "saves": {DEVICE: saves}, "blocks_to_swap": count}]
 
 
 def quantization_state_bytes(module: torch.nn.Module) -> int:
@@ -207,63 +222,159 @@ def quantization_state_part(model: torch.nn.Module) -> list[Part]:
     return [Part("frozen: quantization state", nbytes, DEVICE, "bitsandbytes scales and absmax")]
 
 
-def _frozen_block_layers(model, skip: int = 0) -> list[tuple[int, int]]:
-    """(rows, cols) of the frozen Linear / Conv2d weights in the backbone's blocks: what
-    `ldm.lora.quantize_blocks` quantizes; the first `skip` blocks left out (swapped: host RAM)."""
+def _block_bytes(model, kind: str, size: int) -> list[tuple[int, int]]:
+    """Per block of the backbone, (bytes on the device, bytes a swap moves to host RAM) with its
+    frozen Linear weights stored as `kind` (fp8: also the Conv2d ones; `weight_bytes`,
+    `host_tensors`; what `ldm.lora.quantize_blocks` quantizes), `size` bytes per unquantized value; its other frozen
+    tensors (biases, norms) as they are. An estimate for choosing a format before quantizing."""
     from torch import nn
 
-    from ldm.block_swap import blocks_of
+    from ldm.block_swap import blocks_of, frozen_tensors
 
+    quantized = (nn.Linear, nn.Conv2d) if kind == "fp8" else (nn.Linear,)  # as ldm.quantize
     found = []
-    for block in blocks_of(model.model)[skip:]:
-        for m in block.modules():
-            if type(m) in (nn.Linear, nn.Conv2d) and not m.weight.requires_grad:
-                found.append((m.weight.shape[0], m.weight[0].numel()))
+    for block in blocks_of(model.model):
+        layers = [
+            m
+            for m in block.modules()
+            if type(m) in (nn.Linear, nn.Conv2d) and not m.weight.requires_grad
+        ]
+        ids = {id(m.weight) for m in layers}
+        other = sum(t.numel() * t.element_size() for t in frozen_tensors(block) if id(t) not in ids)
+        shapes = [
+            (m.weight.shape[0], m.weight[0].numel(), kind if type(m) in quantized else "none")
+            for m in layers
+        ]
+        total = sum(weight_bytes(r, c, k, size) for r, c, k in shapes) + other
+        moved = sum(sum(host_tensors(r, c, k, size)) for r, c, k in shapes) + other
+        found.append((total, moved))
     return found
+
+
+# The keys `auto` may stand for, and what to name instead where no plan resolves them
+AUTO_KEYS = {
+    "base_quantization": f"the format ({', '.join(ORDER)})",
+    "blocks_to_swap": "the number of blocks (main.py --plan on one process prints the one it picks)",
+}
+SWAPPABLE = ("fp8", "nf4")  # bitsandbytes' int8 keeps its own reference to the weight
+REPLANS = 3  # further N tried when the re-plan with the fewest N does not fit after all
 
 
 def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
     """`make_plan()` (lun.memory.memory_plan) after quantizing `model`'s base as its LoRA
-    settings say; `auto` picks the first of ORDER whose plan fits the device. A setting that
-    the installed bitsandbytes or the device cannot run is refused in one line."""
+    settings say, its blocks swapped as they say. `auto` is resolved here, in `choose`'s order:
+    each format of ORDER unswapped (`base_quantization: auto`: the first that fits), then (with
+    `blocks_to_swap: auto`) fp8 and nf4 with the fewest swapped blocks that fit; the settings
+    take the choice. A setting that the installed bitsandbytes or the device cannot run is
+    refused in one line, and so is `auto` on several processes (only rank 0 plans)."""
+    settings = getattr(model, "lora_settings", None)
+    if settings is None:
+        return make_plan()
+    for key, what in AUTO_KEYS.items():
+        if getattr(settings, key) == "auto" and trainer.world_size > 1:
+            raise MemoryPlanError(
+                f"model.params.lora.{key}: auto is chosen by rank 0's plan; name {what} for a "
+                f"run on {trainer.world_size} processes"
+            )
+    swap_auto = settings.blocks_to_swap == "auto"
+    if swap_auto:  # planned unswapped first
+        model.lora_settings = dataclasses.replace(settings, blocks_to_swap=0)
+    plan = _plan_format(model, trainer, make_plan, swap_auto)
+    return _plan_swap(model, plan, make_plan) if swap_auto else plan
+
+
+def _plan_format(model, trainer, make_plan, swap_auto: bool) -> MemoryPlan:
+    """The plan with the base quantized as `base_quantization` says, `auto` resolved."""
     from ldm import lora, quantize
 
-    settings = getattr(model, "lora_settings", None)
-    if settings is None or settings.base_quantization == "none":
+    settings = model.lora_settings
+    if settings.base_quantization == "none":
         return make_plan()
     dtype = lora.training_dtype(trainer.precision, settings.base_dtype) or torch.float32
     kind = settings.base_quantization
     if kind != "auto":
         lora.quantize_base(model, kind, dtype, trainer)  # refuses an unsupported one
         return make_plan()
-    if trainer.world_size > 1:
-        raise MemoryPlanError(
-            "model.params.lora.base_quantization: auto is chosen by rank 0's plan; name the "
-            f"format ({', '.join(ORDER)}) for a run on {trainer.world_size} processes"
-        )
     plan = make_plan()
     place = DEVICE if plan.device != "cpu" else HOST
     budget = plan.budget(place)
-    layers = _frozen_block_layers(model, skip=settings.blocks_to_swap)  # on the device
     size = dtype.itemsize
-    now = sum(weight_bytes(r, c, "none", size) for r, c in layers)
+    skip = settings.swapped_blocks  # those blocks are in host RAM: no device bytes to save
+    now = sum(total for total, _ in _block_bytes(model, "none", size)[skip:])
     device = trainer.strategy.root_device
-    chosen, need = "none", plan.peak(place)
+    why_not: dict[str, str | None] = {}  # asked only of the formats tried
+
+    def runs(kind: str) -> bool:
+        if kind not in why_not:
+            why_not[kind] = quantize.unsupported(kind, device)
+        return why_not[kind] is None
+
+    chosen, need, swapping = "none", plan.peak(place), False
     for kind in ORDER:
-        if kind != "none" and quantize.unsupported(kind, device):
+        if not runs(kind) or (kind == "int8" and skip):  # refused with block swap (settings)
             continue
-        if kind == "int8" and settings.blocks_to_swap:  # refused with block swap (settings)
-            continue
-        need = plan.peak(place) - now + sum(weight_bytes(r, c, kind, size) for r, c in layers)
+        need = plan.peak(place) - now + sum(t for t, _ in _block_bytes(model, kind, size)[skip:])
         chosen = kind
         if budget is None or need <= budget:
             break
+    else:  # none fits unswapped: fp8, then nf4, with the fewest blocks swapped that fit
+        for kind in (k for k in SWAPPABLE if swap_auto and place == DEVICE and runs(k)):
+            blocks = _block_bytes(model, kind, size)
+            unswapped = plan.peak(place) - now + sum(total for total, _ in blocks)
+            if fewest_blocks(unswapped, budget, [moved for _, moved in blocks]) is not None:
+                chosen, need, swapping = kind, unswapped, True
+                break
     model.lora_settings = dataclasses.replace(settings, base_quantization=chosen)
-    print(f"base_quantization auto: {chosen} base, {_gib(need)} of {_gib(budget)}")
+    after = " unswapped; block swap follows" if swapping else ""
+    print(f"base_quantization auto: {chosen} base, {_gib(need)} of {_gib(budget)}{after}")
     if chosen == "none":
         return plan
     lora.quantize_base(model, chosen, dtype, trainer)
     return make_plan()
+
+
+def _plan_swap(model, plan: MemoryPlan, make_plan) -> MemoryPlan:
+    """`blocks_to_swap: auto` on `plan` (the model unswapped): 0 where it fits, else the fewest
+    blocks that the plan's own option finds (`swap_option`), re-planned with them (the probe
+    measures the swapped model); a re-plan still over budget tries the next N (`REPLANS` more).
+    The settings take the N; a plan that no N makes fit is left for `check` to refuse."""
+    from ldm.block_swap import blocks_of
+
+    settings = model.lora_settings
+    budget = plan.budget(DEVICE)
+    try:
+        depth = len(blocks_of(model.model))
+    except ValueError:
+        depth = None
+    why = None
+    if plan.device == "cpu":
+        why = "the run is on the CPU: host RAM either way"
+    elif budget is None:
+        why = "no device budget known"
+    elif depth is None:
+        why = "the backbone names no blocks to swap"
+    elif settings.base_quantization == "int8":
+        why = "an int8 base cannot swap; fp8 or nf4 can"
+    if why:
+        print(f"blocks_to_swap auto: 0 ({why})")
+        return plan
+    option = next((o for o in plan.options if o["name"] == "block swap"), None)
+    if option is not None and option["blocks_to_swap"] is None:  # the refusal lists the options
+        print(f"blocks_to_swap auto: 0, as swapping all {depth} blocks would not fit either")
+        return plan
+    if option is not None:
+        first = option["blocks_to_swap"]
+        for count in range(first, min(first + REPLANS, depth) + 1):
+            model.lora_settings = dataclasses.replace(settings, blocks_to_swap=count)
+            plan = make_plan()
+            if plan.peak(DEVICE) <= budget:
+                break
+    count = model.lora_settings.blocks_to_swap
+    print(
+        f"blocks_to_swap auto: {count} of {depth} blocks, "
+        f"{_gib(plan.peak(DEVICE))} of {_gib(budget)}"
+    )
+    return plan
 
 
 # --- a plan from parameter counts ------------------------------------------------------------

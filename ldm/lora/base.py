@@ -21,10 +21,10 @@ def hold_base_for_training(
     quantize_base(model, settings.base_quantization, dtype or torch.float32, trainer)
     if dtype is not None and dtype != torch.float32:
         hold_frozen_in(model.model, dtype)
-    if settings.blocks_to_swap:
+    if settings.swapped_blocks:  # "auto" is resolved by lun's memory plan; unresolved: none
         from ldm.block_swap import swap_blocks
 
-        swap_blocks(model.model, settings.blocks_to_swap, trainer.strategy.root_device)
+        swap_blocks(model.model, settings.swapped_blocks, trainer.strategy.root_device)
 
 
 def release_base_after_training(model: nn.Module) -> None:

@@ -52,7 +52,10 @@ class LoraSettings:
         also the convolutions), or "auto": the first of none, fp8, int8, nf4 whose memory plan
         fits the device (`lun.memory_quant`). The adapters and their files are the same.
     blocks_to_swap: this many of the backbone's blocks live in host RAM and are streamed to the
-        device ahead of use (`ldm.block_swap`); 0: none.
+        device ahead of use (`ldm.block_swap`); 0: none; "auto": the fewest that make the memory
+        plan fit the device (`lun.memory_quant`, run by main.py before the run folder). A fit
+        that meets an unresolved "auto" (a Trainer without main.py's plan) swaps none
+        (`swapped_blocks`), as an unresolved `base_quantization: auto` quantizes nothing.
     """
 
     rank: int = 4
@@ -66,7 +69,7 @@ class LoraSettings:
     text_encoder: TextEncoderLora | None = None
     base_dtype: str = "auto"
     base_quantization: str = "none"
-    blocks_to_swap: int = 0
+    blocks_to_swap: int | str = 0
 
     @property
     def scale_alpha(self) -> float:
@@ -79,6 +82,11 @@ class LoraSettings:
         if self.conv_rank is None:
             return self.rank, self.conv_alpha if self.conv_alpha is not None else self.scale_alpha
         return self.conv_rank, self.conv_alpha if self.conv_alpha is not None else 1.0
+
+    @property
+    def swapped_blocks(self) -> int:
+        """The blocks to swap as a number: an unresolved "auto" (no plan ran) is 0."""
+        return 0 if self.blocks_to_swap == "auto" else self.blocks_to_swap
 
 
 def fail(key: str, why: str):
@@ -151,7 +159,9 @@ def _check_quantization(values: Mapping) -> None:
             "DoRA reads the base weights' row norms; use a full-precision base (none) or dora: false",
         )
     swap = values.get("blocks_to_swap", 0)
-    if isinstance(swap, bool) or not isinstance(swap, int) or swap < 0:
-        fail("blocks_to_swap", f"must be a whole number >= 0, got {swap!r}")
-    if swap and kind == "int8":  # Linear8bitLt keeps its own reference to the int8 weight
+    if swap != "auto" and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 0):
+        fail("blocks_to_swap", f"must be a whole number >= 0 or auto, got {swap!r}")
+    if (
+        swap and swap != "auto" and kind == "int8"
+    ):  # Linear8bitLt keeps its own reference to the int8 weight
         fail("blocks_to_swap", "not with an int8 base (bitsandbytes); use fp8 or nf4")
