@@ -18,7 +18,9 @@ host allocator rounds each one up to a power of two (`pinned_bytes`): up to twic
 The launcher's plan (`lun.memory.plan_run`) quantizes the built model before it measures, so its
 parts are the real tensors; `quantization_state_part` adds what bitsandbytes keeps outside the
 parameters. `auto` tries none, fp8, int8, nf4 in that order (each costs more precision than the
-one before) and takes the first whose plan fits the device.
+one before) and takes the first whose plan fits the device; `blocks_to_swap: auto` then (or
+when none fits unswapped: fp8, then nf4) the fewest swapped blocks whose re-plan fits
+(`plan_with_quantization`), in the order of `choose`.
 """
 
 import argparse
