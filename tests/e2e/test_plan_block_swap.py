@@ -92,3 +92,37 @@ def test_more_blocks_to_swap_than_the_backbone_has_is_one_line_before_the_run_fo
     assert (
         f"model.params.lora.blocks_to_swap: 99 is more than the backbone's {depth} blocks" in line
     )
+
+
+@pytest.mark.parametrize("devices", [1, 2])
+def test_main_resolves_blocks_to_swap_auto_or_refuses_it_on_several_processes(
+    tmp_path, tiny_config, shapes_dir, devices
+):
+    """`main.py --plan` with `blocks_to_swap: auto`: on the CPU the plan swaps nothing and says
+    why; on 2 processes (only rank 0 plans) it is one line naming the key, exit 2, before the
+    run folder."""
+    logs = tmp_path / "logs"
+    result = run_main_here(
+        [
+            "--base",
+            str(tiny_config),
+            f"data.params.train.params.data_root={shapes_dir}",
+            "model.params.lora={rank: 2, blocks_to_swap: auto}",
+            "lightning.trainer.accelerator=cpu",
+            f"lightning.trainer.devices={devices}",
+            *(["lightning.trainer.strategy=ddp"] if devices > 1 else []),
+            "-l",
+            str(logs),
+            "--plan" if devices == 1 else "-t",
+        ],
+        cwd=tmp_path,
+    )
+    if devices == 1:
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "blocks_to_swap auto: 0 (the run is on the CPU" in result.stdout
+        return
+    assert result.returncode == 2, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert "model.params.lora.blocks_to_swap: auto is chosen by rank 0's plan" in line
+    assert "2 processes" in line
+    assert not logs.exists() or not any(logs.iterdir())
