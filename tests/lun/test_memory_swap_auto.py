@@ -92,6 +92,32 @@ def test_auto_swaps_the_fewest_blocks_whose_replan_fits(peaks, fits_with, capsys
     assert swapped_by_the_fit(model) == expected  # the fit follows the choice
 
 
+def test_a_replan_over_budget_after_all_tries_the_next_number(peaks, capsys):
+    """The probe of the swapped model may measure more than the unswapped plan's estimate
+    assumed: here the step with 5 blocks swapped takes 1 MiB more activations (a figure the
+    plan is given, as its probe would measure it), so 5 no longer fits and 6 is taken."""
+    budget, extra = peaks[5], 1 << 20
+    replans = [peak + (extra if n == 5 else 0) for n, peak in enumerate(peaks)]
+    expected = min(n for n, peak in enumerate(replans) if peak <= budget)
+    assert expected == 6  # the case this test is about: the search's first answer fails
+    model = tiny_lora("{rank: 2, blocks_to_swap: auto}")
+
+    def make_plan():
+        count = model.lora_settings.blocks_to_swap
+        return memory_plan(
+            model,
+            quiet_trainer(max_steps=1),
+            activations=(1 << 20) + (extra if count == 5 else 0),
+            device="cuda",
+            device_budget=budget,
+            host_budget=BIG,
+        )
+
+    plan = plan_with_quantization(model, quiet_trainer(max_steps=1), make_plan)
+    assert model.lora_settings.blocks_to_swap == expected
+    assert plan.peak(DEVICE) == replans[expected]
+
+
 def test_auto_swaps_nothing_where_the_plan_fits_or_runs_on_the_cpu(peaks, capsys):
     model, plan = resolve("{rank: 2, blocks_to_swap: auto}", peaks[0])
     assert model.lora_settings.blocks_to_swap == 0 and plan.peak(DEVICE) == peaks[0]
