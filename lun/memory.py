@@ -242,6 +242,11 @@ def _frozen_parts(model: torch.nn.Module, precision: Precision, trainable_ids: s
     return parts
 
 
+def _frozen_bytes(precision: Precision) -> Callable[[torch.Tensor], int]:
+    """A frozen tensor's bytes in the dtype the run holds it (block swap's parts and option)."""
+    return lambda t: t.numel() * _size(precision.weight_dtype(t, trainable=False))
+
+
 def _size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -401,9 +406,6 @@ def _parts(model, trainer, batch, activations, device, sharding, precision) -> l
     def dtype_of(p):
         return precision.weight_dtype(p, trainable=True)
 
-    def frozen_dtype(t):
-        return precision.weight_dtype(t, trainable=False)
-
     weights = sum(p.numel() * _size(dtype_of(p)) for p in trainable)
     count = sum(p.numel() for p in trainable)
     where = HOST if sharding.weights_on_host else DEVICE
@@ -439,7 +441,7 @@ def _parts(model, trainer, batch, activations, device, sharding, precision) -> l
     from lun.memory_quant import STAGING, block_swap_parts, quantization_state_part
 
     parts += quantization_state_part(model)  # bitsandbytes' scales: not parameters or buffers
-    swap = block_swap_parts(model, str(device), lambda t: t.numel() * _size(frozen_dtype(t)))
+    swap = block_swap_parts(model, str(device), _frozen_bytes(precision))
     parts += swap
     host_copies = _swapped_host_tensors(model)
     process = _process_part(model, host_copies)  # before the probe (its freed blocks stay)
@@ -577,7 +579,7 @@ def _options(
     from lun.memory_quant import swap_option
 
     options += swap_option(  # a LoRA's frozen blocks to host RAM
-        plan, model, lambda t: t.numel() * _size(precision.weight_dtype(t, trainable=False))
+        plan, model, _frozen_bytes(precision)
     )
     options.append(
         {

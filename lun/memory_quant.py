@@ -120,6 +120,15 @@ def swapped_part(tensors: list[int], device: str, limits=None) -> Part:
 STAGING = "block swap staging"
 
 
+def staging_bytes(swapped: list[int], resident: int | None = None) -> int:
+    """Device bytes of block swap's staging: `resident` swapped blocks on the device at once
+    (`ldm.block_swap.RESIDENT`: the one computing and the one prefetched), each up to the
+    largest of `swapped` (the bytes a swap moves, per swapped block); none swapped, none."""
+    from ldm.block_swap import RESIDENT
+
+    return (RESIDENT if resident is None else resident) * max(swapped, default=0)
+
+
 def block_swap_parts(model: torch.nn.Module, device: str, size_of) -> list[Part]:
     """The parts of the block swaps active in `model` (`ldm.block_swap.swaps_in`): the swapped
     blocks' frozen tensors in host RAM (`swapped_part`) and, on the device, `resident` blocks
@@ -133,7 +142,7 @@ def block_swap_parts(model: torch.nn.Module, device: str, size_of) -> list[Part]
         return []
     blocks = [[size_of(t) for t in block] for s in swaps for block in s.host_tensors()]
     resident = max(s.resident for s in swaps)
-    staging = resident * max(sum(block) for block in blocks)
+    staging = staging_bytes([sum(block) for block in blocks], resident)
     on_device = DEVICE if device != "cpu" else HOST
     detail = f"{resident} of the {len(blocks)} swapped blocks on the device at once"
     return [
@@ -156,10 +165,9 @@ def fewest_blocks(peak: int, budget: int, sizes: list[int], now: int = 0) -> int
 
 def swap_saves(sizes: list[int], now: int, count: int) -> int:
     """Device bytes that swapping `count` blocks instead of `now` saves (see `fewest_blocks`)."""
-    from ldm.block_swap import RESIDENT
 
     def device_bytes(n: int) -> int:  # what the blocks and their staging take on the device
-        return sum(sizes[n:]) + (RESIDENT * max(sizes[:n]) if n else 0)
+        return sum(sizes[n:]) + staging_bytes(sizes[:n])
 
     return device_bytes(now) - device_bytes(count)
 
@@ -475,8 +483,8 @@ def counts_plan(
     parts.append(Part("frozen: base", base, on_device, detail))
     if swapped:
         parts.append(swapped_part(swapped, device))
-        staging = resident * max(sum(host) for host in block_host[:blocks_to_swap])
-        parts.append(Part("block swap staging", staging, on_device, f"{resident} blocks on device"))
+        staging = staging_bytes([sum(host) for host in block_host[:blocks_to_swap]], resident)
+        parts.append(Part(STAGING, staging, on_device, f"{resident} blocks on device"))
     adapters = sum(b.count * sum(rank * (r + c) for r, c in b.linears) for b in counts.blocks)
     trainable = f"{adapters / 1e6:.1f} M, fp32"
     parts.append(Part("weights (trainable)", adapters * 4, on_device, trainable))
