@@ -15,7 +15,7 @@ sys.path[:0] = [
     str(ROOT / "tests"),
 ]  # scripts and test helpers import by name
 
-from run_helpers import run_main_here  # noqa: E402
+from run_helpers import train_here  # noqa: E402
 
 torch.set_num_threads(2)
 # Dataset index caches of test runs (and their launcher subprocesses) stay out of ~/.cache.
@@ -80,18 +80,13 @@ def trained_run(tmp_path_factory, tiny_config, shapes_dir) -> Path:
     logs = tmp_path_factory.mktemp("logs")
     # main() in this process: the run is the same, without a second start-up of torch and
     # Lightning (tests/e2e/test_main.py launches the command line itself).
-    result = run_main_here(
+    return train_here(
         [
             "--base",
             str(tiny_config),
             f"data.params.train.params.data_root={shapes_dir}",
             "model.params.use_ema=true",
-            "-l",
-            str(logs),
-            "-t",
         ],
+        logs=logs,
         cwd=logs,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
-    return run

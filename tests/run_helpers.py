@@ -55,6 +55,34 @@ def run_main_here(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
 
 
+def train_here(args: list[str], logs: Path, cwd: Path) -> Path:
+    """`main.py ARGS -l LOGS -t` in this process (`run_main_here`), which must succeed; the one
+    run folder it made under `logs`."""
+    result = run_main_here([*args, "-l", str(logs), "-t"], cwd=cwd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run,) = list(logs.iterdir())
+    return run
+
+
+def pretrained_base(config: Path, out: Path) -> dict:
+    """A "pretrained" base for a LoRA run, saved to `out` as an original-layout checkpoint: the
+    model `config` builds (seed 0) with every weight moved off its init (the UNet's zero output
+    layer would pass no gradient to the adapters). Its model config, as built."""
+    import torch
+
+    from ldm.util import instantiate_from_config
+    from lun.config import merge_configs, to_container
+
+    model_config = to_container(merge_configs([config]))["model"]
+    torch.manual_seed(0)
+    base = instantiate_from_config(model_config)
+    with torch.no_grad():
+        for p in base.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    torch.save({"state_dict": base.state_dict()}, out)
+    return model_config
+
+
 def train_demo(tmp: Path, *configs: Path) -> Path:
     """2 training steps of the shapes demo (configs/demo/shapes.yaml and `configs` overlays) on 8
     generated 16 px images through main.py, as `make demo` / `scripts/demo.py --config` train it;

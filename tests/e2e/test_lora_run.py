@@ -4,7 +4,7 @@ checkpoint is the original layout plus `lora.*`, scripts/lora.py exports and mer
 import lora as lora_script
 import pytest
 import torch
-from run_helpers import run_main_here
+from run_helpers import run_main_here, train_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint
@@ -17,23 +17,18 @@ SETTINGS = "{rank: 2, alpha: 4, targets: [attn, proj, ff, conv], conv_rank: 3}"
 
 @pytest.mark.slow
 def test_lora_run_export_and_merge(tmp_path, tiny_config, shapes_dir):
-    logs = tmp_path / "logs"
     # main() in this process: a subprocess adds only another start-up of torch and Lightning.
-    result = run_main_here(
+    run = train_here(
         [
             "--base",
             str(tiny_config),
             f"data.params.train.params.data_root={shapes_dir}",
             f"model.params.lora={SETTINGS}",
             "model.params.use_ema=true",
-            "-l",
-            str(logs),
-            "-t",
         ],
+        logs=tmp_path / "logs",
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
     ckpt = run / "checkpoints" / "last.ckpt"
     state = checkpoint.state_dict_of(checkpoint.load_file_state(ckpt))
     plain = to_container(merge_configs([tiny_config]))["model"]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from run_helpers import run_main_here
+from run_helpers import pretrained_base, run_main_here, train_here
 
 from ldm import checkpoint
 from ldm.block_swap import blocks_of
@@ -18,16 +18,8 @@ SWAPPED = 3
 
 @pytest.mark.slow  # a one-step Lightning fit of the tiny SD
 def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_config, shapes_dir):
-    logs = tmp_path / "logs"
-    # A "pretrained" base: every weight moved off its init (the UNet's zero output layer would
-    # pass no gradient to the adapters).
-    torch.manual_seed(0)
-    base = instantiate_from_config(to_container(merge_configs([tiny_config]))["model"])
-    with torch.no_grad():
-        for p in base.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    torch.save({"state_dict": base.state_dict()}, tmp_path / "base.ckpt")
-    result = run_main_here(
+    pretrained_base(tiny_config, tmp_path / "base.ckpt")
+    run = train_here(
         [
             "--base",
             str(tiny_config),
@@ -36,14 +28,10 @@ def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_conf
             "model.base_learning_rate=1.0e-2",
             f"model.params.lora={{rank: 2, blocks_to_swap: {SWAPPED}}}",
             "lightning.trainer.max_steps=1",
-            "-l",
-            str(logs),
-            "-t",
         ],
+        logs=tmp_path / "logs",
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
     configs = sorted((run / "configs").glob("*.yaml"))
     built = instantiate_from_config(to_container(merge_configs(configs))["model"])
     swapped = sum(

@@ -8,7 +8,7 @@ import json
 import lora as lora_script
 import pytest
 import torch
-from run_helpers import run_main_here
+from run_helpers import pretrained_base, run_main_here, train_here
 from safetensors.torch import load_file
 
 from ldm import checkpoint, lora
@@ -31,19 +31,10 @@ def fixed_loss(model, batch) -> float:
 def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shapes_dir, kind):
     if kind == "int8":
         pytest.importorskip("bitsandbytes")
-    logs = tmp_path / "logs"
-    # A "pretrained" base: every weight moved off its init (the UNet's zero output layer
-    # would pass no gradient to the adapters), saved as an original-layout checkpoint.
-    plain_config = to_container(merge_configs([tiny_config]))["model"]
-    torch.manual_seed(0)
-    base = instantiate_from_config(plain_config)
-    with torch.no_grad():
-        for p in base.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    torch.save({"state_dict": base.state_dict()}, tmp_path / "base.ckpt")
+    plain_config = pretrained_base(tiny_config, tmp_path / "base.ckpt")
     # main.py's main() in this process: a subprocess adds only another start-up of torch and
     # Lightning (the launch as users type it: tests/e2e/test_main.py).
-    result = run_main_here(
+    run = train_here(
         [
             "--base",
             str(tiny_config),
@@ -53,14 +44,10 @@ def test_lora_on_a_quantized_base_trains_and_exports(tmp_path, tiny_config, shap
             f"model.params.lora.base_quantization={kind}",
             "model.base_learning_rate=1.0e-2",
             "lightning.trainer.max_steps=8",
-            "-l",
-            str(logs),
-            "-t",
         ],
+        logs=tmp_path / "logs",
         cwd=tmp_path,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
     ckpt = run / "checkpoints" / "last.ckpt"
     plan = json.loads((run / "memory-plan.json").read_text())
     (frozen,) = [p for p in plan["parts"] if p["name"] == "frozen: model"]
