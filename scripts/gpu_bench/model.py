@@ -193,18 +193,39 @@ def lora_dit(s: dict):
 
 
 def held_base(model, kind: str, dtype: torch.dtype, device):
-    """`model`'s blocks' frozen layers in `kind`, its other frozen layers in `dtype`, as a LoRA
-    run's setup holds them (ldm.lora.hold_base_for_training), back on the CPU. Quantized on
-    `device`: bitsandbytes' nf4 on the CPU takes minutes for DiT-XL's 600 M weights."""
-    from ldm.lora import quantize_blocks
+    """`model`'s blocks' frozen layers in `kind`, its other frozen layers in `dtype`, on the CPU,
+    as a LoRA run's setup holds them (ldm.lora.hold_base_for_training): quantized by the call a
+    run makes (`quantize_base` with its LightningModule, the backbone at `.model`, and its
+    trainer, the device at `strategy.root_device`), on `device`, layer by layer. Returns the
+    model and the quantization's seconds (the run's start-up figure)."""
+    from types import SimpleNamespace
+
+    from ldm.lora import quantize_base
     from ldm.lora.base import hold_frozen_in
 
-    model.to(device)
-    if kind != "none":
-        quantize_blocks(model, kind, dtype)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device))
+    synchronize(device)
+    start = time.perf_counter()
+    quantize_base(SimpleNamespace(model=model), kind, dtype, trainer)
+    synchronize(device)
+    seconds = time.perf_counter() - start
     if dtype != torch.float32:
         hold_frozen_in(model, dtype)
-    return model.cpu()
+    return model, seconds
+
+
+def vs_the_cpu(model, base, kind: str, dtype: torch.dtype) -> float:
+    """The largest difference between the first block's weights quantized on the device
+    (`base`) and the same weights quantized on the CPU (dequantized; 0 on a CPU run)."""
+    from ldm.block_swap import blocks_of
+    from ldm.quantize import dequantize, quantize_frozen, quantized_layers
+
+    if kind == "none":
+        return 0.0
+    on_cpu = copy.deepcopy(blocks_of(model)[0])
+    quantize_frozen(on_cpu, kind, dtype)
+    pairs = zip(quantized_layers(blocks_of(base)[0]).values(), quantized_layers(on_cpu).values())
+    return max((dequantize(a).float() - dequantize(b).float()).abs().max().item() for a, b in pairs)
 
 
 def step_inputs(s: dict, device):
@@ -234,10 +255,13 @@ def timed(model, inputs, dtype, device, repeats: int = 3):
 
 
 def swap_row(s: dict, model, device, kind: str) -> dict:
+    """The swapped step against the plain one; also the start-up of a `kind` base: the seconds
+    a run's setup quantizes it in (`quantize_s`), and how far that is from the CPU's result."""
     from ldm.block_swap import blocks_of, swap_blocks
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = held_base(copy.deepcopy(model), kind, dtype, device)
+    base, quantize_s = held_base(copy.deepcopy(model), kind, dtype, device)
+    vs_cpu = vs_the_cpu(model, base, kind, dtype)
     swapped = copy.deepcopy(base)
     reset_peak(device)
     plain = base.to(device)  # as Lightning moves a model: after its setup
@@ -259,6 +283,8 @@ def swap_row(s: dict, model, device, kind: str) -> dict:
         "max_out_diff": (out - plain_out).abs().max().item(),
         "max_grad_diff": grad_diff,
         "same_grads": grads.keys() == plain_grads.keys(),
+        "quantize_s": quantize_s,  # the base's blocks, on the device, layer by layer
+        "quantized_vs_cpu": vs_cpu,
     }
 
 
