@@ -161,13 +161,32 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -
     rows, scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
     home = linear.weight.device
     rows, scales = rows.to(home), scales.to(home)
+    # The rows only as the weight's data, the scales as a buffer of the layer: a move of the
+    # model (`Module._apply`: Lightning's, `.cuda()`) replaces a parameter's data and the
+    # buffers, not the CB / SCB that bitsandbytes hangs on the parameter and on `layer.state`
+    # (which kept the host copies, read by the first forward on the device). Not persistent:
+    # bitsandbytes' own `_save_to_state_dict` writes them (as `SCB`). Their int32 bits, so
+    # that a dtype cast of the model (Lightning's true precision) leaves them as they are.
     layer.weight = bnb.nn.Int8Params(
-        rows, requires_grad=False, has_fp16_weights=False, CB=rows, SCB=scales
+        rows, requires_grad=False, has_fp16_weights=False, CB=None, SCB=scales
     )
+    layer.register_buffer("row_scales", scales.view(torch.int32), persistent=False)
+    layer.register_forward_pre_hook(_int8_refs_to_module)
+    layer.register_state_dict_pre_hook(_int8_refs_to_module)
+    layer.register_load_state_dict_pre_hook(_int8_refs_to_module)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     layer.register_forward_hook(_own_output)
     return layer
+
+
+def _int8_refs_to_module(layer: nn.Module, *args) -> None:
+    """bitsandbytes' references to the int8 rows and scales pointed at the layer's own tensors,
+    where the layer is now, before each forward, state-dict save and load: `layer.state` is
+    what `bnb.matmul` and its backward read, the parameter's SCB what bitsandbytes' save and
+    load read (the load copies a state dict's `SCB` into it, so into the buffer)."""
+    layer.state.CB = layer.weight.data
+    layer.state.SCB = layer.weight.SCB = int8_scales(layer)
 
 
 class _Nf4Op(torch.autograd.Function):
@@ -336,14 +355,17 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         state = weight.quant_state  # not swapped: it stays where the layer is
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
-    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
-    # bitsandbytes keeps the scales in the layer's state instead of on the weight
+    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
     scales = int8_scales(layer)
     return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:
-    """The row scales (SCB) of a bitsandbytes Linear8bitLt, wherever it keeps them."""
+    """The row scales (SCB, fp32) of an int8 layer made by `quantized_layer`, where the layer
+    is (its `row_scales` buffer); of another Linear8bitLt, wherever bitsandbytes keeps them."""
+    bits = getattr(layer, "row_scales", None)
+    if bits is not None:
+        return bits.view(torch.float32)
     scales = getattr(layer.weight, "SCB", None)
     if scales is None:
         scales = getattr(getattr(layer, "state", None), "SCB", None)

@@ -203,3 +203,103 @@ def test_quantize_base_quantizes_on_the_trainers_device(lazy, monkeypatch):
     assert quantize_base(reference, "fp8", torch.float32, trainer_on(torch.device("cpu"))) == count
     want = reference.model.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in model.model.state_dict().items())
+
+
+# --- an int8 base after the model's move ----------------------------------------------------------
+# Lightning moves the model with `model.to(device)`: `Module._apply`, which on a move between
+# devices whose tensors share a type (CPU <-> CUDA) sets each parameter's data (`param.data =`)
+# and keeps the parameter object, and replaces each buffer. Whatever bitsandbytes hangs on the
+# parameter or on the layer's state is not moved. torch's lazy device cannot stand in here (there
+# `Module._apply` makes a new Parameter, which bitsandbytes' Int8Params cannot be), so `moved`
+# takes the CUDA path on the CPU: every tensor replaced by a copy, and the old ones overwritten,
+# so that a forward that still reads one computes something else.
+def moved(module: nn.Module) -> None:
+    states = [getattr(m, "state", None) for m in module.modules()]
+    left = [t.data for t in tensors_of(module)]
+    left += [getattr(s, n) for s in states if s is not None for n in ("CB", "SCB")]
+    module._apply(lambda t: t.clone())
+    with torch.no_grad():
+        for t in left:
+            if t is not None:
+                t.zero_()
+
+
+def int8_pair(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64)).requires_grad_(False)
+    assert quantize.quantize_frozen(model, "int8", torch.float32) == 2
+    return model, copy.deepcopy(model)
+
+
+def forward_backward(model, x, g):
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    (out * g).sum().backward()
+    return out.detach(), x.grad
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("training", [True, False])  # bitsandbytes' CPU paths differ (dequantize
+def test_int8_runs_on_what_the_move_made(training):  # + matmul; its int8 kernels)
+    model, never_moved = int8_pair()
+    model.train(training), never_moved.train(training)
+    torch.manual_seed(1)
+    x, g = torch.randn(5, 64) * 3, torch.randn(5, 64)  # x * 3: columns past the 6.0 threshold
+    want = forward_backward(never_moved, x, g)
+    assert torch.equal(forward_backward(model, x, g)[0], want[0])  # a forward before the move
+    moved(model)
+    got = forward_backward(model, x, g)
+    # what bitsandbytes' matmul read (its state, set for this forward) is the moved layer's own
+    for layer in (model[0], model[2]):
+        assert storage(layer.state.CB) == storage(layer.weight)
+        assert storage(layer.state.SCB) in {storage(t) for t in layer.buffers()}
+    # and computes what the layer never moved does, to the bit
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def bnb_own_int8(linear: nn.Linear) -> nn.Module:
+    """bitsandbytes' Linear8bitLt quantized by its own move to the CPU (`Int8Params.to`)."""
+    own = bnb.nn.Linear8bitLt(64, 96, has_fp16_weights=False, threshold=6.0)
+    weight = linear.weight.detach().clone()
+    own.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    own.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return own.to("cpu")
+
+
+def test_int8_state_dict_is_bitsandbytes_own_before_and_after_a_forward_and_a_move():
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).requires_grad_(False)
+    want = bnb_own_int8(linear).state_dict()
+    layer = quantize.quantized_layer(linear, "int8", torch.float32)
+    for when in ("made", "after a forward", "after a move"):
+        got = layer.state_dict()
+        assert list(got) == list(want), when
+        assert all(torch.equal(got[k], want[k]) for k in want), when
+        layer(torch.randn(3, 64)) if when == "made" else moved(layer)
+
+
+def test_int8_loads_a_state_dict_after_a_forward_and_a_move():
+    """(bitsandbytes' loader writes `SCB` into the parameter's, and refuses without one.)"""
+    source, _ = int8_pair(seed=0)
+    target, _ = int8_pair(seed=1)
+    x = torch.randn(4, 64)
+    target(x)
+    moved(target)
+    target.load_state_dict(source.state_dict())
+    assert torch.equal(target(x), source(x))
+
+
+def test_int8_scales_keep_their_bits_through_a_dtype_cast():
+    """Lightning's true precision casts the whole model (`.to(bf16)`): the int8 rows are not
+    floating point, and the row scales must stay fp32 to the bit."""
+    model, never_moved = int8_pair()
+    model.to(torch.bfloat16)
+    x = torch.randn(2, 64)
+    model(x.bfloat16()), never_moved(x)
+    for layer, want in ((model[0], never_moved[0]), (model[2], never_moved[2])):
+        assert layer.state.SCB.dtype == torch.float32
+        assert torch.equal(layer.state.SCB, want.state.SCB)
+        assert torch.equal(quantize.dequantize(layer), quantize.dequantize(want))
