@@ -167,7 +167,8 @@ def rows_compile_channels_last(args, s, device, emit) -> None:
 # bf16 autocast) with every block swapped (two on the device at once) against the same model
 # without swap, for a bf16, an fp8 and an nf4 base: the peak memory and step time of each, and how
 # far the swapped step's output and adapter gradients are from the plain one's (0 when the copies
-# are complete and ordered and the kernels deterministic).
+# are complete and ordered and the kernels deterministic). And an int8 base (which cannot swap)
+# after Lightning's move, against the CPU's step (`moved_int8_row`).
 DIT_XL = {"input_size": 32, "patch_size": 2, "hidden_size": 1152, "depth": 28, "num_heads": 16}
 DIT_TINY = {"input_size": 8, "patch_size": 2, "hidden_size": 64, "depth": 4, "num_heads": 2}
 
@@ -288,9 +289,43 @@ def swap_row(s: dict, model, device, kind: str) -> dict:
     }
 
 
+def moved_int8_row(s: dict, model, device) -> dict:
+    """An int8 base (which cannot swap) through a run's path: quantized by `quantize_base` on
+    the device, the model moved there as Lightning moves it (`Module.to`: bitsandbytes' own
+    CB / SCB would stay behind, `ldm.quantize._int8`), one step; its output and adapter
+    gradients against the same base quantized and stepped on the CPU, one sample each."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cpu = torch.device("cpu")
+    x, t, cond = step_inputs(s, cpu)
+
+    def first_sample(device):
+        return x[:1].to(device), t[:1].to(device), {k: v[:1].to(device) for k, v in cond.items()}
+
+    on_cpu, _ = held_base(copy.deepcopy(model), "int8", dtype, cpu)
+    want_out, want_grads = one_step(on_cpu, first_sample(cpu), dtype)
+    del on_cpu
+    base, quantize_s = held_base(copy.deepcopy(model), "int8", dtype, device)
+    out, grads = one_step(base.to(device), first_sample(device), dtype)  # Lightning's move
+    return {
+        "max_out_diff": (out - want_out).abs().max().item(),
+        "out_absmax": want_out.abs().max().item(),
+        "max_grad_diff": max((grads[n] - g).abs().max().item() for n, g in want_grads.items()),
+        "grad_absmax": max(g.abs().max().item() for g in want_grads.values()),
+        "same_grads": grads.keys() == want_grads.keys(),
+        "quantize_s": quantize_s,
+    }
+
+
 def rows_swap(args, s, device, emit) -> None:
     model = lora_dit(s)  # built once (DiT-XL: 675 M weights), on the CPU
+    # as a trained base: DiT starts with its modulations and output layer at zero (adaLN-Zero),
+    # which makes every output and adapter gradient zero, and any two steps alike
+    torch.manual_seed(1)
+    for layer in model.zero_init_layers():
+        torch.nn.init.normal_(layer.weight, std=0.02)
     for kind in ("none", "fp8", "nf4"):
         base = "bf16" if kind == "none" and device.type == "cuda" else kind
         label = f"swap: DiT LoRA step, every block swapped, {base} base"
         attempt(emit, label, lambda kind=kind: swap_row(s, model, device, kind))
+    label = "int8 base, no swap: LoRA step after Lightning's move"
+    attempt(emit, label, lambda: moved_int8_row(s, model, device))
