@@ -31,15 +31,17 @@ class Fp8Storage(nn.Module):
     that a module-wide `.to(bf16)` - Lightning's true precision, `hold_frozen_in` - leaves the
     bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448."""
 
-    def _store(self, weight: torch.Tensor) -> None:
+    def _store(self, weight: torch.Tensor, device: torch.device) -> None:
+        """The scale and the cast computed on `device`, the result kept where `weight` is."""
         self.stored_dtype = weight.dtype  # what a checkpoint holds it as (`dequantize`)
-        w = weight.detach().float()
+        w = weight.detach().to(device).float()
         amax = (
             w.reshape(w.shape[0], -1).abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
         )
         scale = (amax / FP8_MAX).reshape(-1, *[1] * (w.dim() - 1))
-        self.register_buffer("weight", (w / scale).to(FP8).view(torch.uint8))
-        self.register_buffer("weight_scale", scale)
+        home = weight.device
+        self.register_buffer("weight", (w / scale).to(FP8).view(torch.uint8).to(home))
+        self.register_buffer("weight_scale", scale.to(home))
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
@@ -100,10 +102,10 @@ class _Fp8Op(torch.autograd.Function):
 class Fp8Linear(Fp8Storage):
     """A frozen nn.Linear with fp8 storage; output in the input's dtype (or autocast's)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, device: torch.device | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._store(linear.weight)
+        self._store(linear.weight, linear.weight.device if device is None else device)
         self.bias = linear.bias  # frozen, small: kept as it was
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,11 +122,11 @@ class Fp8Linear(Fp8Storage):
 class Fp8Conv2d(Fp8Storage):
     """A frozen nn.Conv2d (zero padding) with fp8 storage, its kernel scaled per output channel."""
 
-    def __init__(self, conv: nn.Conv2d):
+    def __init__(self, conv: nn.Conv2d, device: torch.device | None = None):
         super().__init__()
         self.stride, self.padding = conv.stride, conv.padding
         self.dilation, self.groups = conv.dilation, conv.groups
-        self._store(conv.weight)
+        self._store(conv.weight, conv.weight.device if device is None else device)
         self.bias = conv.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,7 @@ def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
     return output.clone() if output._is_view() else output
 
 
-def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear8bitLt(
@@ -152,12 +154,39 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
         threshold=6.0,  # LLM.int8's outlier threshold: such input columns stay 16-bit
         device="meta",
     )
-    weight = linear.weight.detach().to(compute_dtype)
-    layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+    # bitsandbytes' own quantization (`Int8Params._quantize`: the rows of the fp16 weight), on
+    # `device`; called directly because `Int8Params.to` only quantizes a weight that leaves the
+    # CPU, and the layer as `Int8Params._quantize` leaves it, where the weight was
+    weight = linear.weight.detach().to(device).to(compute_dtype).contiguous()
+    rows, scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
+    home = linear.weight.device
+    rows, scales = rows.to(home), scales.to(home)
+    # The rows only as the weight's data, the scales as a buffer of the layer: a move of the
+    # model (`Module._apply`: Lightning's, `.cuda()`) replaces a parameter's data and the
+    # buffers, not the CB / SCB that bitsandbytes hangs on the parameter and on `layer.state`
+    # (which kept the host copies, read by the first forward on the device). Not persistent:
+    # bitsandbytes' own `_save_to_state_dict` writes them (as `SCB`). Their int32 bits, so
+    # that a dtype cast of the model (Lightning's true precision) leaves them as they are.
+    layer.weight = bnb.nn.Int8Params(
+        rows, requires_grad=False, has_fp16_weights=False, CB=None, SCB=scales
+    )
+    layer.register_buffer("row_scales", scales.view(torch.int32), persistent=False)
+    layer.register_forward_pre_hook(_int8_refs_to_module)
+    layer.register_state_dict_pre_hook(_int8_refs_to_module)
+    layer.register_load_state_dict_pre_hook(_int8_refs_to_module)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     layer.register_forward_hook(_own_output)
-    return layer.to(linear.weight.device)  # bitsandbytes quantizes on the move
+    return layer
+
+
+def _int8_refs_to_module(layer: nn.Module, *args) -> None:
+    """bitsandbytes' references to the int8 rows and scales pointed at the layer's own tensors,
+    where the layer is now, before each forward, state-dict save and load: `layer.state` is
+    what `bnb.matmul` and its backward read, the parameter's SCB what bitsandbytes' save and
+    load read (the load copies a state dict's `SCB` into it, so into the buffer)."""
+    layer.state.CB = layer.weight.data
+    layer.state.SCB = layer.weight.SCB = int8_scales(layer)
 
 
 class _Nf4Op(torch.autograd.Function):
@@ -205,7 +234,7 @@ def _nf4_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], layer.out_features).to(x.dtype)
 
 
-def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
+def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
     import types
 
     import bitsandbytes as bnb
@@ -219,35 +248,63 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype) -> nn.Module:
         quant_type="nf4",
         device="meta",
     )
-    weight = linear.weight.detach().to(compute_dtype)
+    # bitsandbytes' own quantization (`Params4bit._quantize`), on `device`; the bits and their
+    # quant state then where the weight was (`QuantState.to` moves it in place). The CPU-only
+    # repacking (`packing_format_for_cpu`) happens only in `Linear4bit.forward`, replaced here
+    weight = linear.weight.detach().to(device).to(compute_dtype).contiguous()
+    bits, state = bnb.functional.quantize_4bit(
+        weight, blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4"
+    )
+    home = linear.weight.device
+    state.to(home)
     layer.weight = bnb.nn.Params4bit(
-        weight, requires_grad=False, compress_statistics=True, quant_type="nf4"
+        bits.to(home),
+        requires_grad=False,
+        quant_state=state,
+        blocksize=NF4_BLOCK,
+        compress_statistics=True,
+        quant_type="nf4",
+        bnb_quantized=True,
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
     layer.forward = types.MethodType(_nf4_forward, layer)  # still a Linear4bit, by type
-    return layer.to(linear.weight.device)
+    return layer
 
 
-def quantized_layer(module: nn.Module, kind: str, compute_dtype: torch.dtype) -> nn.Module | None:
-    """The quantized replacement of a frozen layer, or None when `kind` leaves it as it is."""
+def quantized_layer(
+    module: nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device | None = None
+) -> nn.Module | None:
+    """The quantized replacement of a frozen layer, or None when `kind` leaves it as it is.
+    Quantized on `device` (None: where its weight is) and stored where its weight is: only this
+    layer's weight is copied to `device`, and the quantized tensors come back. On the device
+    the copy, its compute-dtype cast and the quantized form are all that is held."""
+    device = module.weight.device if device is None else torch.device(device)
     if type(module) is nn.Linear:
         if kind == "fp8":
-            return Fp8Linear(module)
+            return Fp8Linear(module, device)
         if kind == "int8":
-            return _int8(module, compute_dtype)
+            return _int8(module, compute_dtype, device)
         if kind == "nf4":
-            return _nf4(module, compute_dtype)
+            return _nf4(module, compute_dtype, device)
     if type(module) is nn.Conv2d and kind == "fp8" and module.padding_mode == "zeros":
         # (bitsandbytes has no convolutions: int8 / nf4 leave them as they are)
-        return Fp8Conv2d(module)
+        return Fp8Conv2d(module, device)
     return None
 
 
-def quantize_frozen(module: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+def quantize_frozen(
+    module: nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device | None = None
+) -> int:
     """Replace every frozen Linear (fp8: also Conv2d) of `module` - the base layer of a peft
     LoRA layer or a layer without adapters - by its `kind` quantized form. Trainable layers and
-    the adapters stay as they are. Returns the number of layers replaced."""
+    the adapters stay as they are. Returns the number of layers replaced.
+
+    One layer at a time on `device` (None: where each layer is), each stored back where its
+    weights were: a LoRA run quantizes its base at setup, while the model is still on the CPU,
+    and bitsandbytes' / torch's kernels on an accelerator take seconds where the CPU takes
+    minutes (nf4, int8). The device's peak meanwhile: one layer, unquantized, and its
+    quantized form - never the whole base."""
     if kind in ("none", None):
         return 0
     targets = [
@@ -258,7 +315,7 @@ def quantize_frozen(module: nn.Module, kind: str, compute_dtype: torch.dtype) ->
     ]
     count = 0
     for name, child in targets:
-        replacement = quantized_layer(child, kind, compute_dtype)
+        replacement = quantized_layer(child, kind, compute_dtype, device)
         if replacement is None:
             continue
         parent, _, attr = name.rpartition(".")
@@ -298,14 +355,17 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         state = weight.quant_state  # not swapped: it stays where the layer is
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
-    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale); after a first forward
-    # bitsandbytes keeps the scales in the layer's state instead of on the weight
+    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
     scales = int8_scales(layer)
     return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:
-    """The row scales (SCB) of a bitsandbytes Linear8bitLt, wherever it keeps them."""
+    """The row scales (SCB, fp32) of an int8 layer made by `quantized_layer`, where the layer
+    is (its `row_scales` buffer); of another Linear8bitLt, wherever bitsandbytes keeps them."""
+    bits = getattr(layer, "row_scales", None)
+    if bits is not None:
+        return bits.view(torch.float32)
     scales = getattr(layer.weight, "SCB", None)
     if scales is None:
         scales = getattr(getattr(layer, "state", None), "SCB", None)
@@ -323,9 +383,10 @@ def unsupported(kind: str, device: torch.device) -> str | None:
         except ImportError:
             return f"{kind} needs bitsandbytes (pip install bitsandbytes), or use fp8"
     try:
-        layer = nn.Linear(64, 64).to(device).requires_grad_(False)
+        # the path of a run: a layer on the CPU quantized on `device`, then moved there
+        layer = nn.Linear(64, 64).requires_grad_(False)
         dtype = torch.float32
-        quantized = quantized_layer(layer, kind, dtype)
+        quantized = quantized_layer(layer, kind, dtype, device).to(device)
         x = torch.randn(2, 64, device=device, requires_grad=True)
         quantized(x).sum().backward()
     except Exception as err:  # whatever the backend raises: its first line names it

@@ -38,7 +38,9 @@ def release_base_after_training(model: nn.Module) -> None:
 
 def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype, trainer=None) -> int:
     """The frozen backbone quantized as `base_quantization` says (once: `lun.memory_quant`
-    may have done it before the plan; "auto" is resolved there, else it means none)."""
+    may have done it before the plan; "auto" is resolved there, else it means none). On the
+    run's device, layer by layer, though this runs in Lightning's setup, before the model
+    moves there: the quantized layers stay on the CPU, as the rest of the model."""
     from ldm import quantize
 
     if kind in ("none", "auto") or quantize.is_quantized(model.model):
@@ -47,17 +49,21 @@ def quantize_base(model: nn.Module, kind: str, compute_dtype: torch.dtype, train
     why = quantize.unsupported(kind, device)
     if why:
         fail("base_quantization", why)
-    return quantize_blocks(model.model, kind, compute_dtype)
+    return quantize_blocks(model.model, kind, compute_dtype, device)
 
 
-def quantize_blocks(backbone: nn.Module, kind: str, compute_dtype: torch.dtype) -> int:
+def quantize_blocks(
+    backbone: nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device | None = None
+) -> int:
     """The frozen layers of the backbone's blocks quantized (nearly all of its weights); the
     embedders and the output layer, small and read for their dtype, stay as they are (as
-    musubi-tuner and ai-toolkit keep them)."""
+    musubi-tuner and ai-toolkit keep them). Quantized on `device` (the run's), one layer at a
+    time, each kept where it was (`ldm.quantize.quantize_frozen`)."""
     from ldm import quantize
     from ldm.block_swap import blocks_of
 
-    return sum(quantize.quantize_frozen(b, kind, compute_dtype) for b in blocks_of(backbone))
+    blocks = blocks_of(backbone)
+    return sum(quantize.quantize_frozen(b, kind, compute_dtype, device) for b in blocks)
 
 
 def training_dtype(precision: str, base_dtype: str = "auto") -> torch.dtype | None:

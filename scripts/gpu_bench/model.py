@@ -167,7 +167,8 @@ def rows_compile_channels_last(args, s, device, emit) -> None:
 # bf16 autocast) with every block swapped (two on the device at once) against the same model
 # without swap, for a bf16, an fp8 and an nf4 base: the peak memory and step time of each, and how
 # far the swapped step's output and adapter gradients are from the plain one's (0 when the copies
-# are complete and ordered and the kernels deterministic).
+# are complete and ordered and the kernels deterministic). And an int8 base (which cannot swap)
+# after Lightning's move, against the CPU's step (`moved_int8_row`).
 DIT_XL = {"input_size": 32, "patch_size": 2, "hidden_size": 1152, "depth": 28, "num_heads": 16}
 DIT_TINY = {"input_size": 8, "patch_size": 2, "hidden_size": 64, "depth": 4, "num_heads": 2}
 
@@ -193,18 +194,39 @@ def lora_dit(s: dict):
 
 
 def held_base(model, kind: str, dtype: torch.dtype, device):
-    """`model`'s blocks' frozen layers in `kind`, its other frozen layers in `dtype`, as a LoRA
-    run's setup holds them (ldm.lora.hold_base_for_training), back on the CPU. Quantized on
-    `device`: bitsandbytes' nf4 on the CPU takes minutes for DiT-XL's 600 M weights."""
-    from ldm.lora import quantize_blocks
+    """`model`'s blocks' frozen layers in `kind`, its other frozen layers in `dtype`, on the CPU,
+    as a LoRA run's setup holds them (ldm.lora.hold_base_for_training): quantized by the call a
+    run makes (`quantize_base` with its LightningModule, the backbone at `.model`, and its
+    trainer, the device at `strategy.root_device`), on `device`, layer by layer. Returns the
+    model and the quantization's seconds (the run's start-up figure)."""
+    from types import SimpleNamespace
+
+    from ldm.lora import quantize_base
     from ldm.lora.base import hold_frozen_in
 
-    model.to(device)
-    if kind != "none":
-        quantize_blocks(model, kind, dtype)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=device))
+    synchronize(device)
+    start = time.perf_counter()
+    quantize_base(SimpleNamespace(model=model), kind, dtype, trainer)
+    synchronize(device)
+    seconds = time.perf_counter() - start
     if dtype != torch.float32:
         hold_frozen_in(model, dtype)
-    return model.cpu()
+    return model, seconds
+
+
+def vs_the_cpu(model, base, kind: str, dtype: torch.dtype) -> float:
+    """The largest difference between the first block's weights quantized on the device
+    (`base`) and the same weights quantized on the CPU (dequantized; 0 on a CPU run)."""
+    from ldm.block_swap import blocks_of
+    from ldm.quantize import dequantize, quantize_frozen, quantized_layers
+
+    if kind == "none":
+        return 0.0
+    on_cpu = copy.deepcopy(blocks_of(model)[0])
+    quantize_frozen(on_cpu, kind, dtype)
+    pairs = zip(quantized_layers(blocks_of(base)[0]).values(), quantized_layers(on_cpu).values())
+    return max((dequantize(a).float() - dequantize(b).float()).abs().max().item() for a, b in pairs)
 
 
 def step_inputs(s: dict, device):
@@ -234,10 +256,13 @@ def timed(model, inputs, dtype, device, repeats: int = 3):
 
 
 def swap_row(s: dict, model, device, kind: str) -> dict:
+    """The swapped step against the plain one; also the start-up of a `kind` base: the seconds
+    a run's setup quantizes it in (`quantize_s`), and how far that is from the CPU's result."""
     from ldm.block_swap import blocks_of, swap_blocks
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = held_base(copy.deepcopy(model), kind, dtype, device)
+    base, quantize_s = held_base(copy.deepcopy(model), kind, dtype, device)
+    vs_cpu = vs_the_cpu(model, base, kind, dtype)
     swapped = copy.deepcopy(base)
     reset_peak(device)
     plain = base.to(device)  # as Lightning moves a model: after its setup
@@ -259,12 +284,48 @@ def swap_row(s: dict, model, device, kind: str) -> dict:
         "max_out_diff": (out - plain_out).abs().max().item(),
         "max_grad_diff": grad_diff,
         "same_grads": grads.keys() == plain_grads.keys(),
+        "quantize_s": quantize_s,  # the base's blocks, on the device, layer by layer
+        "quantized_vs_cpu": vs_cpu,
+    }
+
+
+def moved_int8_row(s: dict, model, device) -> dict:
+    """An int8 base (which cannot swap) through a run's path: quantized by `quantize_base` on
+    the device, the model moved there as Lightning moves it (`Module.to`: bitsandbytes' own
+    CB / SCB would stay behind, `ldm.quantize._int8`), one step; its output and adapter
+    gradients against the same base quantized and stepped on the CPU, one sample each."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cpu = torch.device("cpu")
+    x, t, cond = step_inputs(s, cpu)
+
+    def first_sample(device):
+        return x[:1].to(device), t[:1].to(device), {k: v[:1].to(device) for k, v in cond.items()}
+
+    on_cpu, _ = held_base(copy.deepcopy(model), "int8", dtype, cpu)
+    want_out, want_grads = one_step(on_cpu, first_sample(cpu), dtype)
+    del on_cpu
+    base, quantize_s = held_base(copy.deepcopy(model), "int8", dtype, device)
+    out, grads = one_step(base.to(device), first_sample(device), dtype)  # Lightning's move
+    return {
+        "max_out_diff": (out - want_out).abs().max().item(),
+        "out_absmax": want_out.abs().max().item(),
+        "max_grad_diff": max((grads[n] - g).abs().max().item() for n, g in want_grads.items()),
+        "grad_absmax": max(g.abs().max().item() for g in want_grads.values()),
+        "same_grads": grads.keys() == want_grads.keys(),
+        "quantize_s": quantize_s,
     }
 
 
 def rows_swap(args, s, device, emit) -> None:
     model = lora_dit(s)  # built once (DiT-XL: 675 M weights), on the CPU
+    # as a trained base: DiT starts with its modulations and output layer at zero (adaLN-Zero),
+    # which makes every output and adapter gradient zero, and any two steps alike
+    torch.manual_seed(1)
+    for layer in model.zero_init_layers():
+        torch.nn.init.normal_(layer.weight, std=0.02)
     for kind in ("none", "fp8", "nf4"):
         base = "bf16" if kind == "none" and device.type == "cuda" else kind
         label = f"swap: DiT LoRA step, every block swapped, {base} base"
         attempt(emit, label, lambda kind=kind: swap_row(s, model, device, kind))
+    label = "int8 base, no swap: LoRA step after Lightning's move"
+    attempt(emit, label, lambda: moved_int8_row(s, model, device))
