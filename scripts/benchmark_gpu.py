@@ -41,6 +41,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # The rows and how a figure is taken (card_peak, mfu, python are used by the tests from here).
+from gpu_bench.families import (  # noqa: E402
+    rows_ema_test,
+    rows_flux_plan,
+    rows_mmdit,
+    rows_plan_auto,
+)
 from gpu_bench.measure import card_peak, environment, mfu, one_line, python, size  # noqa: E402
 from gpu_bench.model import (  # noqa: E402
     rows_compile,
@@ -68,6 +74,10 @@ ROWS = {
     "e2e_no_ema": (rows_e2e_no_ema, 50, 100),
     "sampling": (rows_sampling, 50, 120),
     "compile_channels_last": (rows_compile_channels_last, 100, 240),
+    "mmdit": (rows_mmdit, 75, 200),
+    "flux_plan": (rows_flux_plan, 90, 240),
+    "plan_auto": (rows_plan_auto, 100, 240),
+    "ema_test": (rows_ema_test, 40, 120),
 }
 TINY_LIMIT = 900  # seconds per row group at --tiny (no budget: a loaded CPU is slow)
 

@@ -77,6 +77,7 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     group still starts its own, as on the GPU): one start-up of torch fewer."""
     out = tmp_path / "tiny.json"
     rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
+    rows_asked += ["mmdit", "flux_plan", "plan_auto", "ema_test"]  # issues 33 and 34 (~1 min)
     assert bench.main(["--tiny", "--out", str(out), "--only", *rows_asked]) == 0
     printed = capsys.readouterr().out
     rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
@@ -98,6 +99,57 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     for row in swaps:
         assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
     assert "| row | img/s | vs diffusers |" in printed
+    check_family_rows(rows)
+
+
+def check_family_rows(rows: dict) -> None:
+    """The rows of issues 33 and 34 (scripts/gpu_bench/families.py) at tiny width on the CPU."""
+    from gpu_bench.families import FLUX_RANK, FLUX_TINY
+
+    from lun.memory_parts import HOST, GiB
+    from lun.memory_quant import counts_plan, flux_dev
+
+    # MMDiT: both sides hold the same weights (fp32 outputs agree), both were timed
+    ours = next(row for name, row in rows.items() if name.startswith("mmdit: ours"))
+    assert ours["max_out_diff"] < 1e-5 * max(1.0, ours["mean_abs_out"]) and ours["mean_abs_out"] > 0
+    assert ours["img_s"] > 0 and ours["vs_diffusers"] > 0
+
+    # Flux plan against the measured peak: the plan is lun.memory_quant's for these settings,
+    # the measurement the tensors the step really held. Between steps the run holds what the
+    # plan holds less the step's parts; with block swap at most the staging more (the swapped
+    # blocks left resident after the step).
+    flux = [row for name, row in rows.items() if name.startswith("flux plan:")]
+    assert [row["row"].split(", ")[-1] for row in flux] == [
+        "fp8 base",
+        f"nf4 base + {FLUX_TINY['swap']} blocks swapped",
+    ]
+    for row, (kind, swap) in zip(flux, [("fp8", 0), ("nf4", FLUX_TINY["swap"])], strict=True):
+        counts = flux_dev(FLUX_TINY["hidden"], FLUX_TINY["double"], FLUX_TINY["single"])
+        plan = counts_plan(
+            counts,
+            kind,
+            rank=FLUX_RANK,
+            pixels=FLUX_TINY["pixels"],
+            blocks_to_swap=swap,
+            text_tokens=FLUX_TINY["text_tokens"],
+            device="cpu",
+        )
+        assert row["plan_gib"] == pytest.approx(plan.peak(HOST) / GiB)
+        assert row["plan_vs_measured"] == pytest.approx(row["plan_gib"] / row["measured_gib"])
+        assert row["measured_gib"] == pytest.approx(row["held_gib"] + row["step_gib"])
+        held, plan_held, staging = row["held_gib"], row["plan_held_gib"], row["plan_staging_gib"]
+        assert (staging > 0) == (swap > 0)
+        assert plan_held * 0.99 <= held <= (plan_held + staging) * 1.01, row
+        assert 0.5 < row["plan_vs_measured"] < 1.5, row  # activations: an estimate
+
+    # main.py with blocks_to_swap auto (on the CPU: nothing to swap, and it says why) trained
+    auto = next(row for name, row in rows.items() if name.startswith("plan auto:"))
+    assert auto["blocks_to_swap"] == 0 and "the run is on the CPU" in auto["choice"]
+    assert auto["steps"] == 3 and auto["plan_gib"] > 0
+
+    # the EMA's device test ran under pytest: skipped on a CPU, not failed
+    ema = next(row for name, row in rows.items() if name.startswith("ema test"))
+    assert (ema["passed"], ema["failed"], ema["skipped"]) == (0, 0, 1), ema
 
 
 def test_the_demo_config_pins_no_device(demo):
