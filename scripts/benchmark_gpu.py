@@ -43,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 # The rows and how a figure is taken (card_peak, mfu, python are used by the tests from here).
 from gpu_bench.families import (  # noqa: E402
     rows_ema_test,
+    rows_flux,
     rows_flux_plan,
     rows_mmdit,
     rows_plan_auto,
@@ -78,6 +79,7 @@ ROWS = {
     "flux_plan": (rows_flux_plan, 90, 240),
     "plan_auto": (rows_plan_auto, 100, 240),
     "ema_test": (rows_ema_test, 40, 120),
+    "flux": (rows_flux, 70, 200),
 }
 TINY_LIMIT = 900  # seconds per row group at --tiny (no budget: a loaded CPU is slow)
 

@@ -70,63 +70,69 @@ def mmdit_inputs(device, network, batch: int, latent: int, tokens: int):
     return [v.to(device) for v in (x, t, context, pooled, target)]
 
 
-def mmdit_side(model, device, dtype, network, settings, steps, warmup) -> list[dict]:
+def flux_step_inputs(device, network, batch: int, latent: int, tokens: int):
+    """benchmark_flux.inputs at another batch and size: x, t, T5 tokens, pooled CLIP-L,
+    guidance 3.5, target."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 16, latent, latent, generator=g)
+    t = torch.rand(batch, generator=g) * 1000
+    context = torch.randn(batch, tokens, 4096, generator=g)
+    pooled = torch.randn(batch, 768, generator=g)
+    guidance = torch.full((batch,), 3.5)
+    target = torch.randn(x.shape, generator=g)
+    return [v.to(device) for v in (x, t, context, pooled, guidance, target)]
+
+
+def one_side(module, make_inputs, model, network, settings, steps, warmup, device) -> list[dict]:
     """Per (batch, latent, tokens): img/s and the peak memory of the step (weights, fused AdamW
     state, gradients and activations: the same weights and state on both sides)."""
-    from benchmark_mmdit import forward
-
     from ldm.optim import build_optimizer
 
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model.to(device).train()
     optimizer = build_optimizer(model.parameters(), lr=1e-5)
     found = []
     for batch_size, latent, tokens in settings:
-        batch = mmdit_inputs(device, network, batch_size, latent, tokens)
+        batch = make_inputs(device, network, batch_size, latent, tokens)
         reset_peak(device)
 
         def step(batch=batch):
-            _train_step(forward, model, optimizer, batch, dtype)
+            _train_step(module.forward, model, optimizer, batch, dtype)
 
         rate = median_rate(step, device, batch_size, steps, warmup)
         found.append({"img_s": rate, "peak_gib": peak_gib(device)})
     return found  # the optimizer state is freed with this frame
 
 
-def rows_mmdit(args, s, device, emit) -> None:
-    """Built on the device (random init of 2 x 2.5 B fp32 values takes minutes on a CPU), the
-    same weights in both (benchmark_mmdit.build_models: diffusers' single-file converter), the
-    outputs compared in fp32 first; then each side alone on the device, fused AdamW, bf16
-    autocast on a GPU."""
-    from benchmark_mmdit import build_models, forward
-
-    network = MMDIT_TINY if args.tiny else SD35_MEDIUM
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    settings = MMDIT_SETTINGS[args.tiny]
+def against_diffusers(family, module, network, make_inputs, settings, what, args, s, device, emit):
+    """`module` (scripts/benchmark_<family>.py) builds ours and diffusers' model with the same
+    weights (diffusers' single-file converter), here on the device (random init of 2 x 2.5 B
+    fp32 values takes minutes on a CPU); the outputs are compared in fp32 first; then each side
+    alone on the device, fused AdamW, bf16 autocast on a GPU."""
     started = time.perf_counter()
     with torch.device(device):
-        ours, theirs = build_models(device, network)
+        ours, theirs = module.build_models(device, network)
     built = time.perf_counter() - started
     _, latent, tokens = settings[0]
     with torch.no_grad():
-        batch = mmdit_inputs(device, network, 1, latent, tokens)
-        out = forward(ours, batch).float()
-        gap = (out - forward(theirs, batch).float()).abs().max().item()
+        batch = make_inputs(device, network, 1, latent, tokens)
+        out = module.forward(ours, batch).float()
+        gap = (out - module.forward(theirs, batch).float()).abs().max().item()
         scale = out.abs().mean().item()
     del batch, out
     theirs.cpu()
     _free(device)
     steps, warmup = s["steps"] // 2, s["warmup"]
-    mine = mmdit_side(ours, device, dtype, network, settings, steps, warmup)
-    del ours  # and its optimizer state, freed with mmdit_side's frame
+    mine = one_side(module, make_inputs, ours, network, settings, steps, warmup, device)
+    del ours  # and its optimizer state, freed with one_side's frame
     _free(device)
-    other = mmdit_side(theirs, device, dtype, network, settings, steps, warmup)
-    size = "tiny" if args.tiny else "SD 3.5 Medium (2.5 B, 24 joint blocks)"
+    other = one_side(module, make_inputs, theirs, network, settings, steps, warmup, device)
     for (batch_size, latent, _), a, b in zip(settings, mine, other, strict=True):
         px = latent * 8
         memory = a["peak_gib"] / b["peak_gib"] if a["peak_gib"] and b["peak_gib"] else None
         emit(
             {
-                "row": f"mmdit: ours, {size}, {px} px batch {batch_size}",
+                "row": f"{family}: ours, {what}, {px} px batch {batch_size}",
                 **a,
                 "vs_diffusers": a["img_s"] / b["img_s"],
                 "memory_vs_diffusers": memory,
@@ -135,7 +141,37 @@ def rows_mmdit(args, s, device, emit) -> None:
                 "build_s": built,
             }
         )
-        emit({"row": f"mmdit: diffusers, {px} px batch {batch_size}", **b})
+        emit({"row": f"{family}: diffusers, {px} px batch {batch_size}", **b})
+
+
+def rows_mmdit(args, s, device, emit) -> None:
+    import benchmark_mmdit
+
+    network = MMDIT_TINY if args.tiny else SD35_MEDIUM
+    what = "tiny" if args.tiny else "SD 3.5 Medium (2.5 B, 24 joint blocks)"
+    settings = MMDIT_SETTINGS[args.tiny]
+    against_diffusers(
+        "mmdit", benchmark_mmdit, network, mmdit_inputs, settings, what, args, s, device, emit
+    )
+
+
+# --- issue 34 item 6: the Flux.1 step, ours against diffusers, at reduced depth --------------------
+# Flux.1-dev's width (3072, 24 heads of 128), 4 double + 8 single blocks of its 19 + 38 (2.6 B:
+# full depth in fp32 with AdamW state would be 190 GB), 1024 px batch 1, 512 T5 tokens.
+FLUX_REDUCED = dict(depth=4, depth_single_blocks=8, hidden_size=3072, num_heads=24)
+FLUX_STEP_TINY = dict(depth=1, depth_single_blocks=2, hidden_size=128, num_heads=1)
+FLUX_SETTINGS = {False: [(1, 128, 512)], True: [(2, 8, 8)]}
+
+
+def rows_flux(args, s, device, emit) -> None:
+    import benchmark_flux
+
+    network = {**(FLUX_STEP_TINY if args.tiny else FLUX_REDUCED), "guidance_embed": True}
+    what = "tiny" if args.tiny else "Flux.1-dev width, 4 double + 8 single blocks (2.6 B)"
+    settings = FLUX_SETTINGS[args.tiny]
+    against_diffusers(
+        "flux", benchmark_flux, network, flux_step_inputs, settings, what, args, s, device, emit
+    )
 
 
 # --- issue 34 item 4: the plan of a Flux.1-dev LoRA against the measured peak ----------------------

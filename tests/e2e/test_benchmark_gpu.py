@@ -77,7 +77,7 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     group still starts its own, as on the GPU): one start-up of torch fewer."""
     out = tmp_path / "tiny.json"
     rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
-    rows_asked += ["mmdit", "flux_plan", "plan_auto", "ema_test"]  # issues 33 and 34 (~1 min)
+    rows_asked += ["mmdit", "flux", "flux_plan", "plan_auto", "ema_test"]  # issues 33, 34
     assert bench.main(["--tiny", "--out", str(out), "--only", *rows_asked]) == 0
     printed = capsys.readouterr().out
     rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
@@ -109,10 +109,16 @@ def check_family_rows(rows: dict) -> None:
     from lun.memory_parts import HOST, GiB
     from lun.memory_quant import counts_plan, flux_dev
 
-    # MMDiT: both sides hold the same weights (fp32 outputs agree), both were timed
-    ours = next(row for name, row in rows.items() if name.startswith("mmdit: ours"))
-    assert ours["max_out_diff"] < 1e-5 * max(1.0, ours["mean_abs_out"]) and ours["mean_abs_out"] > 0
-    assert ours["img_s"] > 0 and ours["vs_diffusers"] > 0
+    # MMDiT and Flux against diffusers: both sides hold the same weights (their fp32 outputs
+    # agree), both were timed
+    for family in ("mmdit", "flux"):
+        ours = next(row for name, row in rows.items() if name.startswith(f"{family}: ours"))
+        assert ours["mean_abs_out"] > 0 and ours["max_out_diff"] < 1e-5 * max(
+            1.0, ours["mean_abs_out"]
+        )
+        assert ours["img_s"] > 0 and ours["vs_diffusers"] > 0
+        theirs = [row for name, row in rows.items() if name.startswith(f"{family}: diffusers")]
+        assert len(theirs) == 1 and theirs[0]["img_s"] > 0
 
     # Flux plan against the measured peak: the plan is lun.memory_quant's for these settings,
     # the measurement the tensors the step really held. Between steps the run holds what the
