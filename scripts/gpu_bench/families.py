@@ -359,7 +359,7 @@ class PeakMemory(pl.Callback):
 SMALL_CARD = """
 import runpy, sys, torch
 gib, argv = float(sys.argv[1]), sys.argv[2:]
-if torch.cuda.is_available():
+if gib and torch.cuda.is_available():
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * 2**30 / total))
 sys.argv = ["main.py", *argv]
@@ -367,10 +367,10 @@ runpy.run_path("main.py", run_name="__main__")
 """
 
 
-def training_peak(table: str) -> int:
-    """The first column (the device's on a GPU, host RAM on a CPU) of the plan table's
-    `= training peak` line, in bytes."""
-    line = next(line for line in table.splitlines() if "= training peak" in line)
+def plan_figure(table: str, label: str) -> int:
+    """Bytes in the first column (the device's on a GPU, host RAM on a CPU) of the line of
+    main.py's plan table that starts with `label`."""
+    line = next(line for line in table.splitlines() if line.strip().startswith(label))
     value, unit = re.findall(r"([0-9.]+) (GiB|MiB)", line)[0]
     return int(float(value) * (2**30 if unit == "GiB" else 2**20))
 
@@ -378,9 +378,10 @@ def training_peak(table: str) -> int:
 def plan_auto_row(args, s, device, folder: Path) -> dict:
     """`main.py` on the SD 1.x fine-tune config (random weights) as a LoRA, fp8 base,
     `blocks_to_swap: auto`, batch 1, gradient checkpointing: `--plan` on the whole card gives
-    the unswapped peak; then `-t` (3 steps) told (`--device-memory`) and held to (the
-    allocator's fraction) a card of 85 % of that, so the plan must swap, and neither its probe
-    nor the steps may run out of memory. The plan's device peak against the fit's."""
+    the unswapped peak and the frozen UNet's bytes; then `-t` (3 steps) told (`--device-memory`)
+    and held to (the allocator's fraction) a card 60 % of the UNet smaller than that peak, so
+    the plan must swap most blocks, and neither its probes nor the steps may run out of memory.
+    The plan's device peak against the fit's."""
     from gpu_bench.runs import e2e_config, jpegs
 
     data = jpegs(folder, s["images"], s["image"])
@@ -400,11 +401,15 @@ def plan_auto_row(args, s, device, folder: Path) -> dict:
     overlay.write_text(json.dumps(config))
     base = ROOT / "configs" / "stable-diffusion" / "v1-finetune.yaml"
     common = ["--base", str(base), str(overlay), "-l", str(folder / "auto-logs")]
-    whole = python([sys.executable, "main.py", *common, "--plan"], timeout=args.row_timeout)
-    card = 0.85 * training_peak(whole) / 2**30
-    launch = [sys.executable, "-c", SMALL_CARD, f"{card:.3f}"]
+    unswapped = card = None
+    if device.type == "cuda":  # a CPU has no card to make smaller: the plan swaps nothing there
+        whole = python([sys.executable, "main.py", *common, "--plan"], timeout=args.row_timeout)
+        unswapped = plan_figure(whole, "= training peak")
+        card = (unswapped - 0.6 * plan_figure(whole, "frozen: model")) / 2**30
+        common += ["--device-memory", f"{card:.3f}"]
+    launch = [sys.executable, "-c", SMALL_CARD, f"{card or 0:.3f}"]
     started = time.perf_counter()
-    cmd = [*launch, *common, "--device-memory", f"{card:.3f}", "-t", "--no-test"]
+    cmd = [*launch, *common, "-t", "--no-test"]
     trained = python(cmd, timeout=args.row_timeout)
     seconds = time.perf_counter() - started
     chosen = re.findall(r"blocks_to_swap auto: [^\n]*", trained)
@@ -418,7 +423,7 @@ def plan_auto_row(args, s, device, folder: Path) -> dict:
     return {
         "choice": chosen[-1],
         "blocks_to_swap": int(re.findall(r"auto: (\d+)", chosen[-1])[0]),
-        "unswapped_plan_gib": training_peak(whole) / 2**30,
+        "unswapped_plan_gib": unswapped / 2**30 if unswapped else None,
         "card_gib": card,
         "plan_gib": planned / 2**30,
         "measured_gib": peak["peak"] / 2**30 if peak["peak"] else None,

@@ -77,7 +77,6 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     group still starts its own, as on the GPU): one start-up of torch fewer."""
     out = tmp_path / "tiny.json"
     rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
-    rows_asked += ["mmdit", "flux", "flux_plan", "plan_auto", "ema_test"]  # issues 33, 34
     assert bench.main(["--tiny", "--out", str(out), "--only", *rows_asked]) == 0
     printed = capsys.readouterr().out
     rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
@@ -99,11 +98,30 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     for row in swaps:
         assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
     assert "| row | img/s | vs diffusers |" in printed
+
+
+@pytest.mark.slow  # four tiny models against diffusers / the plan, pytest, one main.py run (~40 s)
+def test_tiny_runs_the_family_rows_on_the_cpu(bench, tmp_path):
+    """The rows of issues 33 and 34 (scripts/gpu_bench/families.py), as registered in ROWS, at
+    tiny width on the CPU - called in this process (the driver's own process per group is run
+    by the test above): a start-up of torch and diffusers per group fewer."""
+    import argparse
+
+    import torch
+    from gpu_bench.measure import size
+
+    args = argparse.Namespace(tiny=True, work=str(tmp_path), row_timeout=600)
+    rows = {}
+    for name in ("mmdit", "flux", "flux_plan", "plan_auto", "ema_test"):
+        bench.ROWS[name][0](
+            args, size(True), torch.device("cpu"), lambda r: rows.update({r["row"]: r})
+        )
+    errors = {name: row["error"] for name, row in rows.items() if "error" in row}
+    assert not errors, errors
     check_family_rows(rows)
 
 
 def check_family_rows(rows: dict) -> None:
-    """The rows of issues 33 and 34 (scripts/gpu_bench/families.py) at tiny width on the CPU."""
     from gpu_bench.families import FLUX_RANK, FLUX_TINY
 
     from lun.memory_parts import HOST, GiB
@@ -152,6 +170,7 @@ def check_family_rows(rows: dict) -> None:
     auto = next(row for name, row in rows.items() if name.startswith("plan auto:"))
     assert auto["blocks_to_swap"] == 0 and "the run is on the CPU" in auto["choice"]
     assert auto["steps"] == 3 and auto["plan_gib"] > 0
+    assert auto["card_gib"] is None and auto["measured_gib"] is None  # no card on a CPU
 
     # the EMA's device test ran under pytest: skipped on a CPU, not failed
     ema = next(row for name, row in rows.items() if name.startswith("ema test"))
@@ -192,3 +211,23 @@ def test_the_loop_row_reads_the_figures_of_benchmark_loops_table():
         "overhead_cpu_ms": 1.5,
         "host_read_steps": "[25, 50]",
     }
+
+
+def test_the_plan_auto_row_reads_the_device_column_of_mains_plan_table():
+    """The row sizes the emulated card from `main.py --plan`'s table: the device's column (the
+    first on a GPU; host RAM beside it), each figure as the table rounds it."""
+    from gpu_bench.families import plan_figure
+
+    from lun.memory_parts import ACTIVATIONS, DEVICE, HOST, GiB, MemoryPlan, Part
+
+    parts = [
+        Part("frozen: model", int(1.5 * GiB), DEVICE, "fp8"),
+        Part("frozen: cond_stage_model", 300 * 2**20, DEVICE, "bf16"),
+        Part(ACTIVATIONS, int(2.25 * GiB), DEVICE, "measured"),
+        Part("EMA", 7 * GiB, HOST, "host RAM"),
+    ]
+    table = MemoryPlan(parts, "cuda:0", device_budget=24 * GiB, host_budget=64 * GiB).table()
+    assert plan_figure(table, "frozen: model") == int(1.5 * GiB)
+    assert plan_figure(table, "frozen: cond_stage_model") == 300 * 2**20
+    # training: 1.5 GiB + 300 MiB + 2.25 GiB on the device (the EMA's 7 GiB is the host's)
+    assert plan_figure(table, "= training peak") == pytest.approx(4.04 * GiB, abs=0.006 * GiB)
