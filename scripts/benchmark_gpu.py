@@ -22,6 +22,20 @@ Rows (random weights only, nothing downloaded; the 512 px JPEGs are made here):
 - swap: a DiT-XL/2 LoRA step with every block swapped to host RAM (`blocks_to_swap`), bf16 /
   fp8 / nf4 base, against the same step without swap: peak memory, time, and the largest
   difference of output and gradients (the CUDA-only paths of ldm.block_swap, run once).
+- mmdit (issue 33 item 9): an SD 3.5 Medium MMDiT training step (2.5 B, 24 joint blocks,
+  MMDiT-X) ours against diffusers' SD3Transformer2DModel with the same weights (diffusers'
+  single-file converter; fp32 outputs compared first: max_out_diff), fused AdamW, bf16
+  autocast, at 1024 px batch 1 and 512 px batch 4: img/s, vs diffusers, peak memory and its
+  ratio (scripts/gpu_bench/families.py, reusing scripts/benchmark_mmdit.py).
+- flux (issue 34 item 6): the same for Flux.1-dev's width at 4 double + 8 single blocks, 1024 px.
+- flux_plan (issue 34 item 4): a full-size Flux.1-dev LoRA (rank 16, 1024 px, batch 1, built on
+  the device in bf16) with an fp8 base and with nf4 + 20 blocks swapped: the plan of
+  `python -m lun.memory_quant` (less its assumed 1 GiB CUDA runtime) against the measured peak
+  (tensors held between steps + one step's peak above them), and their ratio.
+- plan_auto (issue 34 item 4): main.py on an SD 1.x LoRA (fp8, `blocks_to_swap: auto`) told
+  (`--device-memory`) and held to (the allocator's per-process fraction) a card smaller than
+  its unswapped plan: the blocks it swaps, the plan's peak against the fit's.
+- ema_test: pytest of the EMA's device-shadow test (skipped without an accelerator).
 Each row runs in its own process (clean peak memory; a row that hangs is killed at its time
 limit); a failed row prints one line and the run goes on. `--budget-s` skips rows whose
 estimate no longer fits. The JSON (`--out`) is rewritten after every row.
@@ -41,6 +55,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
 # The rows and how a figure is taken (card_peak, mfu, python are used by the tests from here).
+from gpu_bench.families import (  # noqa: E402
+    rows_ema_test,
+    rows_flux,
+    rows_flux_plan,
+    rows_mmdit,
+    rows_plan_auto,
+)
 from gpu_bench.measure import card_peak, environment, mfu, one_line, python, size  # noqa: E402
 from gpu_bench.model import (  # noqa: E402
     rows_compile,
@@ -57,7 +78,11 @@ __all__ = ["card_peak", "main", "mfu", "python"]
 # In this order: what no GPU run has measured yet first (the 2026-11-27 H100 lease reached model,
 # e2e and demo only; swap is block swap's only run on a device), after the model row that the
 # compile rows are read against. A row group that passes its limit is killed; its rows
-# finished by then are kept.
+# finished by then are kept. The family rows of issues 33 and 34 come last here, so that a
+# plain run keeps its order; a GPU session runs them first with `--only` (docs/gpu.md,
+# "Measuring"). Their estimates: imports ~10 s, building on the device (no CPU init) a few
+# seconds, diffusers' conversion and moving a 10 GB side to the host and back ~10 s, and a few
+# seconds of steps; plan_auto is two main.py start-ups of SD 1.x (random init on the CPU).
 ROWS = {
     "model": (rows_model, 60, 150),
     "compile": (rows_compile, 100, 240),
@@ -68,6 +93,11 @@ ROWS = {
     "e2e_no_ema": (rows_e2e_no_ema, 50, 100),
     "sampling": (rows_sampling, 50, 120),
     "compile_channels_last": (rows_compile_channels_last, 100, 240),
+    "mmdit": (rows_mmdit, 75, 200),
+    "flux_plan": (rows_flux_plan, 90, 240),
+    "plan_auto": (rows_plan_auto, 100, 240),
+    "ema_test": (rows_ema_test, 40, 120),
+    "flux": (rows_flux, 70, 200),
 }
 TINY_LIMIT = 900  # seconds per row group at --tiny (no budget: a loaded CPU is slow)
 

@@ -100,6 +100,83 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     assert "| row | img/s | vs diffusers |" in printed
 
 
+@pytest.mark.slow  # four tiny models against diffusers / the plan, pytest, one main.py run (~40 s)
+def test_tiny_runs_the_family_rows_on_the_cpu(bench, tmp_path):
+    """The rows of issues 33 and 34 (scripts/gpu_bench/families.py), as registered in ROWS, at
+    tiny width on the CPU - called in this process (the driver's own process per group is run
+    by the test above): a start-up of torch and diffusers per group fewer."""
+    import argparse
+
+    import torch
+    from gpu_bench.measure import size
+
+    args = argparse.Namespace(tiny=True, work=str(tmp_path), row_timeout=600)
+    rows = {}
+    for name in ("mmdit", "flux", "flux_plan", "plan_auto", "ema_test"):
+        bench.ROWS[name][0](
+            args, size(True), torch.device("cpu"), lambda r: rows.update({r["row"]: r})
+        )
+    errors = {name: row["error"] for name, row in rows.items() if "error" in row}
+    assert not errors, errors
+    check_family_rows(rows)
+
+
+def check_family_rows(rows: dict) -> None:
+    from gpu_bench.families import FLUX_RANK, FLUX_TINY
+
+    from lun.memory_parts import HOST, GiB
+    from lun.memory_quant import counts_plan, flux_dev
+
+    # MMDiT and Flux against diffusers: both sides hold the same weights (their fp32 outputs
+    # agree), both were timed
+    for family in ("mmdit", "flux"):
+        ours = next(row for name, row in rows.items() if name.startswith(f"{family}: ours"))
+        assert ours["mean_abs_out"] > 0 and ours["max_out_diff"] < 1e-5 * max(
+            1.0, ours["mean_abs_out"]
+        )
+        assert ours["img_s"] > 0 and ours["vs_diffusers"] > 0
+        theirs = [row for name, row in rows.items() if name.startswith(f"{family}: diffusers")]
+        assert len(theirs) == 1 and theirs[0]["img_s"] > 0
+
+    # Flux plan against the measured peak: the plan is lun.memory_quant's for these settings,
+    # the measurement the tensors the step really held. Between steps the run holds what the
+    # plan holds less the step's parts; with block swap at most the staging more (the swapped
+    # blocks left resident after the step).
+    flux = [row for name, row in rows.items() if name.startswith("flux plan:")]
+    assert [row["row"].split(", ")[-1] for row in flux] == [
+        "fp8 base",
+        f"nf4 base + {FLUX_TINY['swap']} blocks swapped",
+    ]
+    for row, (kind, swap) in zip(flux, [("fp8", 0), ("nf4", FLUX_TINY["swap"])], strict=True):
+        counts = flux_dev(FLUX_TINY["hidden"], FLUX_TINY["double"], FLUX_TINY["single"])
+        plan = counts_plan(
+            counts,
+            kind,
+            rank=FLUX_RANK,
+            pixels=FLUX_TINY["pixels"],
+            blocks_to_swap=swap,
+            text_tokens=FLUX_TINY["text_tokens"],
+            device="cpu",
+        )
+        assert row["plan_gib"] == pytest.approx(plan.peak(HOST) / GiB)
+        assert row["plan_vs_measured"] == pytest.approx(row["plan_gib"] / row["measured_gib"])
+        assert row["measured_gib"] == pytest.approx(row["held_gib"] + row["step_gib"])
+        held, plan_held, staging = row["held_gib"], row["plan_held_gib"], row["plan_staging_gib"]
+        assert (staging > 0) == (swap > 0)
+        assert plan_held * 0.99 <= held <= (plan_held + staging) * 1.01, row
+        assert 0.5 < row["plan_vs_measured"] < 1.5, row  # activations: an estimate
+
+    # main.py with blocks_to_swap auto (on the CPU: nothing to swap, and it says why) trained
+    auto = next(row for name, row in rows.items() if name.startswith("plan auto:"))
+    assert auto["blocks_to_swap"] == 0 and "the run is on the CPU" in auto["choice"]
+    assert auto["steps"] == 3 and auto["plan_gib"] > 0
+    assert auto["card_gib"] is None and auto["measured_gib"] is None  # no card on a CPU
+
+    # the EMA's device test ran under pytest: skipped on a CPU, not failed
+    ema = next(row for name, row in rows.items() if name.startswith("ema test"))
+    assert (ema["passed"], ema["failed"], ema["skipped"]) == (0, 0, 1), ema
+
+
 def test_the_demo_config_pins_no_device(demo):
     trainer = yaml.safe_load(demo.CONFIG.read_text())["lightning"]["trainer"]
     assert "accelerator" not in trainer and "precision" not in trainer
@@ -134,3 +211,23 @@ def test_the_loop_row_reads_the_figures_of_benchmark_loops_table():
         "overhead_cpu_ms": 1.5,
         "host_read_steps": "[25, 50]",
     }
+
+
+def test_the_plan_auto_row_reads_the_device_column_of_mains_plan_table():
+    """The row sizes the emulated card from `main.py --plan`'s table: the device's column (the
+    first on a GPU; host RAM beside it), each figure as the table rounds it."""
+    from gpu_bench.families import plan_figure
+
+    from lun.memory_parts import ACTIVATIONS, DEVICE, HOST, GiB, MemoryPlan, Part
+
+    parts = [
+        Part("frozen: model", int(1.5 * GiB), DEVICE, "fp8"),
+        Part("frozen: cond_stage_model", 300 * 2**20, DEVICE, "bf16"),
+        Part(ACTIVATIONS, int(2.25 * GiB), DEVICE, "measured"),
+        Part("EMA", 7 * GiB, HOST, "host RAM"),
+    ]
+    table = MemoryPlan(parts, "cuda:0", device_budget=24 * GiB, host_budget=64 * GiB).table()
+    assert plan_figure(table, "frozen: model") == int(1.5 * GiB)
+    assert plan_figure(table, "frozen: cond_stage_model") == 300 * 2**20
+    # training: 1.5 GiB + 300 MiB + 2.25 GiB on the device (the EMA's 7 GiB is the host's)
+    assert plan_figure(table, "= training peak") == pytest.approx(4.04 * GiB, abs=0.006 * GiB)
