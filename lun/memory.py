@@ -20,7 +20,9 @@ then its fit end):
                        their staging on the device instead (lun.memory_quant.block_swap_parts)
     activations        measured: one forward and backward pass of the largest bucket at the batch
                        size (allocations counted by torch's profiler on the CPU, the allocator's
-                       peak on an accelerator), less the gradients it allocates
+                       peak on an accelerator), less the gradients it allocates; on an
+                       accelerator not measured where the parts before it exceed the device,
+                       and a lower bound where the device refuses the step (`_parts`)
     EMA                fp32 shadows (host RAM, or the device with `shadows: device`, or with
                        `shadows: auto` when the device's peak with them fits its budget) and
                        staging buffers in host RAM (lun.callbacks.ema)
