@@ -20,7 +20,9 @@ then its fit end):
                        their staging on the device instead (lun.memory_quant.block_swap_parts)
     activations        measured: one forward and backward pass of the largest bucket at the batch
                        size (allocations counted by torch's profiler on the CPU, the allocator's
-                       peak on an accelerator), less the gradients it allocates
+                       peak on an accelerator), less the gradients it allocates; on an
+                       accelerator not measured where the parts before it exceed the device,
+                       and a lower bound where the device refuses the step (`_parts`)
     EMA                fp32 shadows (host RAM, or the device with `shadows: device`, or with
                        `shadows: auto` when the device's peak with them fits its budget) and
                        staging buffers in host RAM (lun.callbacks.ema)
@@ -109,12 +111,17 @@ def is_out_of_memory(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(s in str(err) for s in CPU_ALLOCATOR_FAILURES)
 
 
+def refused_bytes(err: BaseException) -> int | None:
+    """The allocation an allocator's refusal names ("tried to allocate 2.00 GiB"), or None."""
+    asked = _ASKED.search(str(err))
+    return int(float(asked.group(1)) * _UNITS[asked.group(2).lower()]) if asked else None
+
+
 def out_of_memory_message(err: BaseException, where: str, memory: str, limit: int | None) -> str:
     """One line for an allocator's refusal in `where`: what did not fit (the allocation it
     asked for, against `limit` bytes of `memory`) and the options that shrink a step."""
-    asked = _ASKED.search(str(err))
-    size = float(asked.group(1)) * _UNITS[asked.group(2).lower()] if asked else None
-    what = f"an allocation of {_gib(int(size))}" if size is not None else "an allocation"
+    size = refused_bytes(err)
+    what = f"an allocation of {_gib(size)}" if size is not None else "an allocation"
     of = f" ({memory}: {_gib(limit)} in all)" if limit else f" ({memory})"
     return (
         f"out of memory in {where}: {what} did not fit{of}; "
@@ -382,14 +389,18 @@ def memory_plan(
     local = trainer.num_devices
     sharding = strategies.sharding(trainer.strategy, world, local)
     precision = _precision(trainer, sharding)
+    if device_budget is None:
+        device_budget = device_memory_budget(device)
     with as_the_fit_holds_it(model, trainer):
-        parts = _parts(model, trainer, batch, activations, device, sharding, precision)
+        parts = _parts(
+            model, trainer, batch, activations, device, sharding, precision, device_budget
+        )
     plan = MemoryPlan(
         parts,
         str(device),
         local_ranks=local,
         host_budget=host_budget if host_budget is not None else host_memory_budget(),
-        device_budget=device_budget if device_budget is not None else device_memory_budget(device),
+        device_budget=device_budget,
     )
     from lun.callbacks.ema import find_ema
 
@@ -398,8 +409,11 @@ def memory_plan(
     return plan
 
 
-def _parts(model, trainer, batch, activations, device, sharding, precision) -> list[Part]:
-    """The plan's parts (see the module's docstring), `model` as the fit holds it."""
+def _parts(
+    model, trainer, batch, activations, device, sharding, precision, device_budget=None
+) -> list[Part]:
+    """The plan's parts (see the module's docstring), `model` as the fit holds it. No probe
+    step where the device parts held before it exceed `device_budget` (`_too_big_to_probe`)."""
     trainable = _unique(p for p in model.parameters() if p.requires_grad)
     trainable_ids = {id(p) for p in trainable}
 
@@ -450,20 +464,32 @@ def _parts(model, trainer, batch, activations, device, sharding, precision) -> l
         # A module that steps its own optimizers (the VAE's GAN) cannot run a step without a
         # trainer: its activations are left out of the plan, and the plan says so.
         activations, how = 0, "not measured (no probe batch, or manual optimization)"
+    elif activations is None and (held := _too_big_to_probe(parts, device, device_budget)):
+        # The plan cannot fit whatever the step's activations: measuring them would only move
+        # a model the device cannot hold there (an allocator refusal instead of the plan's
+        # options). `blocks_to_swap` / `base_quantization: auto` try a smaller form next.
+        activations, how = 0, f"not measured: the parts held before the step, {held}, do not fit"
     elif activations is None:
         try:
             activations = measure_activations(model, batch, trainer)
         except RuntimeError as err:
             if not is_out_of_memory(err):
                 raise
-            raise _refusal(err, f"the probe step (batch {_batch_size(batch)})", device) from err
-        # The probe's peak holds the swapped blocks it streamed in (at most `resident` of them,
-        # each at most the largest): the staging part counts them, so they come off here -
-        # activations + staging is the measured peak, nothing counted twice.
-        staging = sum(p.nbytes for p in swap if p.name == STAGING)
-        if staging:
-            activations = max(activations - staging, 0)
-            how += f", less the {_gib(staging)} of swapped blocks it streamed in"
+            if device.type == "cpu" or device_budget is None:
+                raise _refusal(err, f"the probe step (batch {_batch_size(batch)})", device) from err
+            # The step did not fit the device: its activations are at least what the device had
+            # left plus the allocation refused. The plan is then over budget, and its options
+            # (block swap's N, a quantized base, ...) are the answer instead of a traceback.
+            activations = at_least_the_refused_step(err, parts, device_budget)
+            how = "at least: the probe step ran out of device memory"
+        else:
+            # The probe's peak holds the swapped blocks it streamed in (at most `resident` of
+            # them, each at most the largest): the staging part counts them, so they come off
+            # here - activations + staging is the measured peak, nothing counted twice.
+            staging = sum(p.nbytes for p in swap if p.name == STAGING)
+            if staging:
+                activations = max(activations - staging, 0)
+                how += f", less the {_gib(staging)} of swapped blocks it streamed in"
     parts.append(Part(ACTIVATIONS, activations, DEVICE, how))
     ema = _ema_parts(trainer, model, precision)
     parts += ema
@@ -489,6 +515,24 @@ def _parts(model, trainer, batch, activations, device, sharding, precision) -> l
         for part in parts:
             part.place = HOST
     return parts
+
+
+def at_least_the_refused_step(err: BaseException, parts: list[Part], budget: int) -> int:
+    """A lower bound of the activations of a probe step that the device's allocator refused:
+    the device's `budget` less the device `parts` held before the step, plus the allocation
+    it refused (`tried to allocate X` in the error; at least one byte, so that the plan is over
+    its budget)."""
+    held = sum(p.nbytes for p in parts if p.place == DEVICE)
+    return max(budget - held, 0) + max(refused_bytes(err) or 0, 1)
+
+
+def _too_big_to_probe(parts: list[Part], device: torch.device, budget: int | None) -> str:
+    """'X GiB of the device's Y GiB' where an accelerator's parts before the probe step already
+    exceed its `budget`, else ''."""
+    held = sum(p.nbytes for p in parts if p.place == DEVICE)
+    if device.type == "cpu" or budget is None or held <= budget:
+        return ""
+    return f"{_gib(held)} of the device's {_gib(budget)}"
 
 
 def _swapped_host_tensors(model) -> list[torch.Tensor]:

@@ -267,7 +267,7 @@ AUTO_KEYS = {
     "blocks_to_swap": "the number of blocks (main.py --plan on one process prints the one it picks)",
 }
 SWAPPABLE = ("fp8", "nf4")  # bitsandbytes' int8 keeps its own reference to the weight
-REPLANS = 3  # further N tried when the re-plan with the fewest N does not fit after all
+REPLANS = 8  # re-plans of `blocks_to_swap: auto` (a bisection over up to 2^7 blocks)
 
 
 def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
@@ -345,9 +345,14 @@ def _plan_format(model, trainer, make_plan, swap_auto: bool) -> MemoryPlan:
 
 def _plan_swap(model, plan: MemoryPlan, make_plan) -> MemoryPlan:
     """`blocks_to_swap: auto` on `plan` (the model unswapped): 0 where it fits, else the fewest
-    blocks that the plan's own option finds (`swap_option`), re-planned with them (the probe
-    measures the swapped model); a re-plan still over budget tries the next N (`REPLANS` more).
-    The settings take the N; a plan that no N makes fit is left for `check` to refuse."""
+    blocks N whose re-plan (its probe measuring the swapped model) fits. The plan's own option
+    (`swap_option`) is the first guess, every block where it finds none; a guess over budget
+    is followed by its re-plan's option, a guess that fits by the middle of the numbers not
+    tried below it - the option's estimate can be off either way: it keeps the step's
+    activations as they are, which swapped blocks (checkpointed) shrink, and a plan whose
+    device could not hold its probe step knows only a lower bound of them (`lun.memory`).
+    At most `REPLANS` re-plans. The settings take the N; where none fits, 0, and the
+    unswapped plan is left for `check` to refuse with its options."""
     from ldm.block_swap import blocks_of
 
     settings = model.lora_settings
@@ -368,23 +373,42 @@ def _plan_swap(model, plan: MemoryPlan, make_plan) -> MemoryPlan:
     if why:
         print(f"blocks_to_swap auto: 0 ({why})")
         return plan
-    option = next((o for o in plan.options if o["name"] == "block swap"), None)
-    if option is not None and option["blocks_to_swap"] is None:  # the refusal lists the options
-        print(f"blocks_to_swap auto: 0, as swapping all {depth} blocks would not fit either")
+    if plan.peak(DEVICE) <= budget:
+        print(
+            f"blocks_to_swap auto: 0 of {depth} blocks, {_gib(plan.peak(DEVICE))} of {_gib(budget)}"
+        )
         return plan
-    if option is not None:
-        first = option["blocks_to_swap"]
-        for count in range(first, min(first + REPLANS, depth) + 1):
-            model.lora_settings = dataclasses.replace(settings, blocks_to_swap=count)
-            plan = make_plan()
-            if plan.peak(DEVICE) <= budget:
-                break
-    count = model.lora_settings.blocks_to_swap
+
+    def option_of(over: MemoryPlan) -> int:
+        found = [o["blocks_to_swap"] for o in over.options if o["name"] == "block swap"]
+        return found[0] if found and found[0] is not None else depth
+
+    unswapped, over, fits = plan, 0, {}  # fits: N -> its plan
+    guess = option_of(plan)
+    for _ in range(REPLANS):
+        model.lora_settings = dataclasses.replace(settings, blocks_to_swap=guess)
+        plan = make_plan()
+        if plan.peak(DEVICE) <= budget:
+            fits[guess] = plan
+        else:
+            over = max(over, guess)
+        fewest = min(fits, default=None)
+        if fewest is None and guess < depth:
+            guess = max(option_of(plan), over + 1)
+        elif fewest is not None and fewest - over > 1:
+            guess = (over + fewest) // 2
+        else:
+            break
+    if not fits:
+        model.lora_settings = dataclasses.replace(settings, blocks_to_swap=0)
+        print(f"blocks_to_swap auto: 0, as swapping all {depth} blocks would not fit either")
+        return unswapped
+    count = min(fits)
+    model.lora_settings = dataclasses.replace(settings, blocks_to_swap=count)
     print(
-        f"blocks_to_swap auto: {count} of {depth} blocks, "
-        f"{_gib(plan.peak(DEVICE))} of {_gib(budget)}"
+        f"blocks_to_swap auto: {count} of {depth} blocks, {_gib(fits[count].peak(DEVICE))} of {_gib(budget)}"
     )
-    return plan
+    return fits[count]
 
 
 # --- a plan from parameter counts ------------------------------------------------------------
