@@ -205,10 +205,9 @@ def swap_option(plan: MemoryPlan, model: torch.nn.Module, size_of) -> list[dict]
 
 
 def quantization_state_bytes(module: torch.nn.Module) -> int:
-    """Bytes bitsandbytes keeps outside parameters and buffers: int8's row scales (SCB) and
-    nf4's quantization state (absmax, the second level, the maps)."""
-    from ldm.quantize import int8_scales
-
+    """Bytes bitsandbytes keeps outside parameters and buffers: nf4's quantization state
+    (absmax, the second level, the maps). (int8's row scales are a buffer of their layer,
+    `ldm.quantize`, counted with the frozen parts.)"""
     total = 0
     for layer in module.modules():
         weight = getattr(layer, "weight", None)
@@ -218,9 +217,6 @@ def quantization_state_bytes(module: torch.nn.Module) -> int:
             if getattr(state, "nested", False):
                 tensors += [state.state2.absmax, state.state2.code, state.offset]
             total += sum(t.numel() * t.element_size() for t in tensors)
-        scb = int8_scales(layer) if type(layer).__name__ == "Linear8bitLt" else None
-        if isinstance(scb, torch.Tensor):
-            total += scb.numel() * scb.element_size()
     return total
 
 

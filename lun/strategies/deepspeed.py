@@ -111,6 +111,7 @@ class DeepSpeedStrategy(LightningDeepSpeedStrategy):
 
         reset_seed()
         self.set_world_ranks()
+        _no_shared_memory_all_reduce()
         self._init_deepspeed_distributed()
 
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):
@@ -229,3 +230,16 @@ def _cast_inputs_to_weight_dtype(layer: torch.nn.Module, args: tuple) -> tuple:
     return tuple(
         a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args
     )
+
+
+def _no_shared_memory_all_reduce() -> None:
+    """On the CPU, DeepSpeed's comm backend JIT-compiles a shared-memory all-reduce op when it
+    starts (`deepspeed.comm.torch.build_shm_op`: g++ for about a minute, on every machine's
+    first run). Only its `inference_all_reduce` calls that op; training reduces through
+    torch.distributed (gloo here). Marking the op incompatible, as DeepSpeed does itself off
+    Linux, skips the build."""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
