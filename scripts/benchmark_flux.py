@@ -72,15 +72,17 @@ def build_models(device, network=NETWORK):
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def inputs(device, network=NETWORK):
+def inputs(device, network=NETWORK, batch=BATCH, latent=LATENT, tokens=TOKENS):
+    """x, t, the T5 tokens, pooled CLIP-L, guidance 3.5, the target (scripts/gpu_bench/
+    families.py asks for other sizes)."""
     import torch
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, 16, LATENT, LATENT, generator=g)
-    t = torch.rand(BATCH, generator=g) * 1000
-    context = torch.randn(BATCH, TOKENS, 4096, generator=g)
-    pooled = torch.randn(BATCH, 768, generator=g)
-    guidance = torch.full((BATCH,), 3.5)
+    x = torch.randn(batch, 16, latent, latent, generator=g)
+    t = torch.rand(batch, generator=g) * 1000
+    context = torch.randn(batch, tokens, 4096, generator=g)
+    pooled = torch.randn(batch, 768, generator=g)
+    guidance = torch.full((batch,), 3.5)
     target = torch.randn(x.shape, generator=g)
     return [v.to(device) for v in (x, t, context, pooled, guidance, target)]
 

@@ -70,17 +70,19 @@ def build_models(device, network=NETWORK):
     return ours.to(device).train(), theirs.to(device).train()
 
 
-def inputs(device, network=NETWORK):
+def inputs(device, network=NETWORK, batch=BATCH, latent=LATENT, tokens=TOKENS):
+    """x, t, the text tokens, the pooled embedding, the target (scripts/gpu_bench/families.py
+    asks for other sizes)."""
     import torch
 
     context_dim = network.get("context_dim", 4096)
     pooled_dim = network.get("pooled_dim", 2048)
     channels = network.get("in_channels", 16)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(BATCH, channels, LATENT, LATENT, generator=g)
-    t = torch.rand(BATCH, generator=g) * 1000
-    context = torch.randn(BATCH, TOKENS, context_dim, generator=g)
-    pooled = torch.randn(BATCH, pooled_dim, generator=g)
+    x = torch.randn(batch, channels, latent, latent, generator=g)
+    t = torch.rand(batch, generator=g) * 1000
+    context = torch.randn(batch, tokens, context_dim, generator=g)
+    pooled = torch.randn(batch, pooled_dim, generator=g)
     target = torch.randn(x.shape, generator=g)
     return [v.to(device) for v in (x, t, context, pooled, target)]
 

@@ -59,31 +59,7 @@ MMDIT_TINY = dict(
 MMDIT_SETTINGS = {False: [(1, 128, 154), (4, 64, 154)], True: [(2, 8, 8)]}  # batch, latent, tokens
 
 
-def mmdit_inputs(device, network, batch: int, latent: int, tokens: int):
-    """benchmark_mmdit.inputs at another batch and size: x, t, T5 tokens, pooled, target."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 16, latent, latent, generator=g)
-    t = torch.rand(batch, generator=g) * 1000
-    context = torch.randn(batch, tokens, network.get("context_dim", 4096), generator=g)
-    pooled = torch.randn(batch, network.get("pooled_dim", 2048), generator=g)
-    target = torch.randn(x.shape, generator=g)
-    return [v.to(device) for v in (x, t, context, pooled, target)]
-
-
-def flux_step_inputs(device, network, batch: int, latent: int, tokens: int):
-    """benchmark_flux.inputs at another batch and size: x, t, T5 tokens, pooled CLIP-L,
-    guidance 3.5, target."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(batch, 16, latent, latent, generator=g)
-    t = torch.rand(batch, generator=g) * 1000
-    context = torch.randn(batch, tokens, 4096, generator=g)
-    pooled = torch.randn(batch, 768, generator=g)
-    guidance = torch.full((batch,), 3.5)
-    target = torch.randn(x.shape, generator=g)
-    return [v.to(device) for v in (x, t, context, pooled, guidance, target)]
-
-
-def one_side(module, make_inputs, model, network, settings, steps, warmup, device) -> list[dict]:
+def one_side(module, model, network, settings, steps, warmup, device) -> list[dict]:
     """Per (batch, latent, tokens): img/s and the peak memory of the step (weights, fused AdamW
     state, gradients and activations: the same weights and state on both sides)."""
     from ldm.optim import build_optimizer
@@ -93,7 +69,7 @@ def one_side(module, make_inputs, model, network, settings, steps, warmup, devic
     optimizer = build_optimizer(model.parameters(), lr=1e-5)
     found = []
     for batch_size, latent, tokens in settings:
-        batch = make_inputs(device, network, batch_size, latent, tokens)
+        batch = module.inputs(device, network, batch_size, latent, tokens)
         reset_peak(device)
 
         def step(batch=batch):
@@ -104,7 +80,7 @@ def one_side(module, make_inputs, model, network, settings, steps, warmup, devic
     return found  # the optimizer state is freed with this frame
 
 
-def against_diffusers(family, module, network, make_inputs, settings, what, args, s, device, emit):
+def against_diffusers(family, module, network, settings, what, args, s, device, emit):
     """`module` (scripts/benchmark_<family>.py) builds ours and diffusers' model with the same
     weights (diffusers' single-file converter), here on the device (random init of 2 x 2.5 B
     fp32 values takes minutes on a CPU); the outputs are compared in fp32 first; then each side
@@ -115,7 +91,7 @@ def against_diffusers(family, module, network, make_inputs, settings, what, args
     built = time.perf_counter() - started
     _, latent, tokens = settings[0]
     with torch.no_grad():
-        batch = make_inputs(device, network, 1, latent, tokens)
+        batch = module.inputs(device, network, 1, latent, tokens)
         out = module.forward(ours, batch).float()
         gap = (out - module.forward(theirs, batch).float()).abs().max().item()
         scale = out.abs().mean().item()
@@ -123,10 +99,10 @@ def against_diffusers(family, module, network, make_inputs, settings, what, args
     theirs.cpu()
     _free(device)
     steps, warmup = s["steps"] // 2, s["warmup"]
-    mine = one_side(module, make_inputs, ours, network, settings, steps, warmup, device)
+    mine = one_side(module, ours, network, settings, steps, warmup, device)
     del ours  # and its optimizer state, freed with one_side's frame
     _free(device)
-    other = one_side(module, make_inputs, theirs, network, settings, steps, warmup, device)
+    other = one_side(module, theirs, network, settings, steps, warmup, device)
     for (batch_size, latent, _), a, b in zip(settings, mine, other, strict=True):
         px = latent * 8
         memory = a["peak_gib"] / b["peak_gib"] if a["peak_gib"] and b["peak_gib"] else None
@@ -150,9 +126,7 @@ def rows_mmdit(args, s, device, emit) -> None:
     network = MMDIT_TINY if args.tiny else SD35_MEDIUM
     what = "tiny" if args.tiny else "SD 3.5 Medium (2.5 B, 24 joint blocks)"
     settings = MMDIT_SETTINGS[args.tiny]
-    against_diffusers(
-        "mmdit", benchmark_mmdit, network, mmdit_inputs, settings, what, args, s, device, emit
-    )
+    against_diffusers("mmdit", benchmark_mmdit, network, settings, what, args, s, device, emit)
 
 
 # --- issue 34 item 6: the Flux.1 step, ours against diffusers, at reduced depth --------------------
@@ -169,9 +143,7 @@ def rows_flux(args, s, device, emit) -> None:
     network = {**(FLUX_STEP_TINY if args.tiny else FLUX_REDUCED), "guidance_embed": True}
     what = "tiny" if args.tiny else "Flux.1-dev width, 4 double + 8 single blocks (2.6 B)"
     settings = FLUX_SETTINGS[args.tiny]
-    against_diffusers(
-        "flux", benchmark_flux, network, flux_step_inputs, settings, what, args, s, device, emit
-    )
+    against_diffusers("flux", benchmark_flux, network, settings, what, args, s, device, emit)
 
 
 # --- issue 34 item 4: the plan of a Flux.1-dev LoRA against the measured peak ----------------------
