@@ -517,19 +517,23 @@ def _parts(
     return parts
 
 
+def _on_device(parts: list[Part]) -> int:
+    """Bytes of the device `parts` (those planned before the probe step: what it holds)."""
+    return sum(p.nbytes for p in parts if p.place == DEVICE)
+
+
 def at_least_the_refused_step(err: BaseException, parts: list[Part], budget: int) -> int:
     """A lower bound of the activations of a probe step that the device's allocator refused:
     the device's `budget` less the device `parts` held before the step, plus the allocation
     it refused (`tried to allocate X` in the error; at least one byte, so that the plan is over
     its budget)."""
-    held = sum(p.nbytes for p in parts if p.place == DEVICE)
-    return max(budget - held, 0) + max(refused_bytes(err) or 0, 1)
+    return max(budget - _on_device(parts), 0) + max(refused_bytes(err) or 0, 1)
 
 
 def _too_big_to_probe(parts: list[Part], device: torch.device, budget: int | None) -> str:
     """'X GiB of the device's Y GiB' where an accelerator's parts before the probe step already
     exceed its `budget`, else ''."""
-    held = sum(p.nbytes for p in parts if p.place == DEVICE)
+    held = _on_device(parts)
     if device.type == "cpu" or budget is None or held <= budget:
         return ""
     return f"{_gib(held)} of the device's {_gib(budget)}"

@@ -369,19 +369,15 @@ def _plan_swap(model, plan: MemoryPlan, make_plan) -> MemoryPlan:
     if why:
         print(f"blocks_to_swap auto: 0 ({why})")
         return plan
-    if plan.peak(DEVICE) <= budget:
-        print(
-            f"blocks_to_swap auto: 0 of {depth} blocks, {_gib(plan.peak(DEVICE))} of {_gib(budget)}"
-        )
-        return plan
 
     def option_of(over: MemoryPlan) -> int:
         found = [o["blocks_to_swap"] for o in over.options if o["name"] == "block swap"]
         return found[0] if found and found[0] is not None else depth
 
-    unswapped, over, fits = plan, 0, {}  # fits: N -> its plan
+    unswapped, over = plan, 0
+    fits = {0: plan} if plan.peak(DEVICE) <= budget else {}  # N -> its plan
     guess = option_of(plan)
-    for _ in range(REPLANS):
+    for _ in range(0 if fits else REPLANS):
         model.lora_settings = dataclasses.replace(settings, blocks_to_swap=guess)
         plan = make_plan()
         if plan.peak(DEVICE) <= budget:
