@@ -31,10 +31,11 @@ class Fp8Storage(nn.Module):
     that a module-wide `.to(bf16)` - Lightning's true precision, `hold_frozen_in` - leaves the
     bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448."""
 
-    def _store(self, weight: torch.Tensor, device: torch.device) -> None:
-        """The scale and the cast computed on `device`, the result kept where `weight` is."""
+    def _store(self, weight: torch.Tensor, device: torch.device | None) -> None:
+        """The scale and the cast computed on `device` (None: where `weight` is), the result
+        kept where `weight` is."""
         self.stored_dtype = weight.dtype  # what a checkpoint holds it as (`dequantize`)
-        w = weight.detach().to(device).float()
+        w = weight.detach().to(weight.device if device is None else device).float()
         amax = (
             w.reshape(w.shape[0], -1).abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
         )
@@ -105,7 +106,7 @@ class Fp8Linear(Fp8Storage):
     def __init__(self, linear: nn.Linear, device: torch.device | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self._store(linear.weight, linear.weight.device if device is None else device)
+        self._store(linear.weight, device)
         self.bias = linear.bias  # frozen, small: kept as it was
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,7 @@ class Fp8Conv2d(Fp8Storage):
         super().__init__()
         self.stride, self.padding = conv.stride, conv.padding
         self.dilation, self.groups = conv.dilation, conv.groups
-        self._store(conv.weight, conv.weight.device if device is None else device)
+        self._store(conv.weight, device)
         self.bias = conv.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +163,7 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -
     home = linear.weight.device
     rows, scales = rows.to(home), scales.to(home)
     # The rows only as the weight's data, the scales as a buffer of the layer: a move of the
-    # model (`Module._apply`: Lightning's, `.cuda()`) replaces a parameter's data and the
+    # model (`Module._apply`: Lightning's, `Module.to`) replaces a parameter's data and the
     # buffers, not the CB / SCB that bitsandbytes hangs on the parameter and on `layer.state`
     # (which kept the host copies, read by the first forward on the device). Not persistent:
     # bitsandbytes' own `_save_to_state_dict` writes them (as `SCB`). Their int32 bits, so
