@@ -64,6 +64,15 @@ def train_here(args: list[str], logs: Path, cwd: Path) -> Path:
     return run
 
 
+def refused_here(args: list[str], logs: Path, cwd: Path) -> str:
+    """`main.py ARGS -l LOGS -t` in this process (`run_main_here`), which must be refused the
+    way bad input is: exit status 2, no traceback, no run folder under `logs`. Its last line."""
+    result = run_main_here([*args, "-l", str(logs), "-t"], cwd=cwd)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and not logs.exists()
+    return result.stderr.strip().splitlines()[-1]
+
+
 def pretrained_base(config: Path, out: Path) -> dict:
     """A "pretrained" base for a LoRA run, saved to `out` as an original-layout checkpoint: the
     model `config` builds (seed 0) with every weight moved off its init (the UNet's zero output
