@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_bench.measure import ROOT, attempt, median_rate, peak_gib, python, reset_peak, tail
+from ldm.mmdit import SD35_MEDIUM_DUAL_ATTENTION_LAYERS
 
 
 def _free(device) -> None:
@@ -44,7 +45,7 @@ SD35_MEDIUM = dict(
     num_heads=24,
     pos_embed_max_size=384,
     qk_norm=True,
-    dual_attention_layers=list(range(13)),
+    dual_attention_layers=list(SD35_MEDIUM_DUAL_ATTENTION_LAYERS),  # MMDiT-X's, as the preset
 )
 MMDIT_TINY = dict(
     depth=2,
