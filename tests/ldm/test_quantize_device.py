@@ -248,6 +248,7 @@ def test_int8_runs_on_what_the_move_made(training):  # + matmul; its int8 kernel
     assert torch.equal(forward_backward(model, x, g)[0], want[0])  # a forward before the move
     moved(model)
     got = forward_backward(model, x, g)
+    model.state_dict()  # bitsandbytes' save reads the parameter's SCB: lent for it, taken back
     # bitsandbytes' side references (which a move leaves behind) hold nothing: the forward
     # read the moved layer's own tensors ...
     for layer in (model[0], model[2]):
