@@ -245,9 +245,10 @@ def test_int8_with_block_swap_is_accepted():
         assert (settings.base_quantization, settings.blocks_to_swap) == ("int8", swap)
 
 
-def int8_dit(seed=0):
-    """The tiny DiT with adapters, its blocks' frozen layers in int8 (bitsandbytes' format)."""
-    pytest.importorskip("bitsandbytes")
+def quantized_dit(kind: str, seed=0):
+    """The tiny DiT with adapters, its blocks' frozen layers stored as `kind`."""
+    if kind == "int8":
+        pytest.importorskip("bitsandbytes")
     from ldm.lora import quantize_blocks
 
     model = tiny_dit()
@@ -256,7 +257,7 @@ def int8_dit(seed=0):
         for p in model.parameters():  # seed 0: tiny_dit's weights; others: weights of their own
             p.add_(0.05 * seed * torch.randn(p.shape, generator=generator))
     model = with_adapters(model)
-    assert quantize_blocks(model, "int8", torch.float32) > 0
+    assert quantize_blocks(model, kind, torch.float32) > 0
     return model
 
 
@@ -266,7 +267,7 @@ def test_an_evicted_int8_layer_points_at_nothing_but_placeholders_and_its_host_c
     there through any of them - only the empty placeholders and, in host RAM, the copies."""
     from ldm.block_swap import host_copy
 
-    model = int8_dit()
+    model = quantized_dit("int8")
     swap = swap_blocks(model, SWAPPED, torch.device("cpu"))
     step(model)
     gone = [index for index in range(SWAPPED) if index not in swap.loaded]
@@ -285,17 +286,21 @@ def test_an_evicted_int8_layer_points_at_nothing_but_placeholders_and_its_host_c
             )
 
 
-def test_a_swapped_int8_base_saves_and_loads_bitsandbytes_own_state_dict():
-    """bitsandbytes' state dict of an int8 layer (`weight` int8, `SCB` fp32, `weight_format`)
-    from a swapped model, blocks loaded or not, is the one without swap; loading another
-    model's fills the host copies (rows and scales): the swapped model then computes as it."""
-    plain, other = int8_dit(seed=0), int8_dit(seed=1)
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_swapped_quantized_base_saves_and_loads_the_state_dict_without_swap(kind):
+    """The state dict of a quantized layer - bitsandbytes' for int8 (`weight` int8, `SCB` fp32,
+    `weight_format`), fp8's (`weight` bytes, `weight_scale` fp32), the scales of both held as
+    int32 bits in the module - from a swapped model, blocks loaded or not, is the one without
+    swap; loading another model's fills the host copies (weights and scales) and the blocks on
+    the device: the swapped model then computes as it."""
+    plain, other = quantized_dit(kind, seed=0), quantized_dit(kind, seed=1)
     swapped = copy.deepcopy(plain)
     swap = swap_blocks(swapped, SWAPPED, torch.device("cpu"))
     step(swapped)
     assert 0 < len(swap.loaded) < SWAPPED
     expected, state = plain.state_dict(), swapped.state_dict()
-    assert state.keys() == expected.keys() and any(k.endswith(".SCB") for k in state)
+    scales = ".SCB" if kind == "int8" else ".weight_scale"
+    assert state.keys() == expected.keys() and any(k.endswith(scales) for k in state)
     assert [k for k in expected if not torch.equal(state[k], expected[k])] == []
     swapped.load_state_dict(other.state_dict())
     got, want = step(swapped), step(other)
