@@ -464,8 +464,8 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
     # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
-    scales = int8_scales(layer)
-    return (stored(layer, "weight").data.float() * scales.float()[:, None] / 127).to(torch.float32)
+    weight, scales = stored(layer, "weight"), int8_scales(layer)  # block swap: the host copies
+    return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:
