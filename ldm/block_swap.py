@@ -211,6 +211,21 @@ class BlockSwap:
 
         return hook
 
+    def loaded_hook(self, index: int):
+        """After a state dict's load (into the host copies, `load_hook`, and bitsandbytes' int8
+        `SCB` into the host copy of the scales, `ldm.quantize.int8_scales`): a block on the
+        device now takes the loaded values too, not only once it is loaded again."""
+
+        def hook(module, incompatible_keys):
+            if index in self.loaded:
+                self._wait_for_copy(index)  # the copy in flight would overwrite them
+                for owner, name, is_parameter, host in self.host[index]:
+                    current = owner._parameters[name] if is_parameter else owner._buffers[name]
+                    with torch.no_grad():
+                        current.copy_(host)
+
+        return hook
+
     def unswap(self) -> None:
         """Every block's frozen tensors are its host copies again, as ordinary tensors of its
         modules: nothing left on the device, no placeholders, no host-copy entries (so that
@@ -298,6 +313,7 @@ def swap_blocks(
         swap.handles += [
             block._register_state_dict_hook(swap.state_dict_hook(index)),
             block._register_load_state_dict_pre_hook(swap.load_hook(index), with_module=True),
+            block.register_load_state_dict_post_hook(swap.loaded_hook(index)),
         ]
     backbone.block_swap = swap  # a plain attribute: not a module, not in the state dict
     return swap

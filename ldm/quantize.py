@@ -16,6 +16,8 @@ whatever the base's quantization. Quantize after the base weights are loaded: th
 training-time form of the base, made at fit start (`ldm.lora.hold_base_for_training`).
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,7 +31,11 @@ NF4_BLOCK = 64  # bitsandbytes' Linear4bit default blocksize
 class Fp8Storage(nn.Module):
     """Common part of the fp8 layers: `weight` held as float8_e4m3fn bits (a uint8 buffer, so
     that a module-wide `.to(bf16)` - Lightning's true precision, `hold_frozen_in` - leaves the
-    bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448."""
+    bytes alone) with one fp32 scale per output channel: W ~ fp8(W / s) * s, s = absmax / 448.
+    The scales likewise as their int32 bits (`weight_scale_bits`, not persistent): such a cast
+    would round them to bf16, an error of up to 2^-9 on every weight of a channel. The state
+    dict holds them as `weight_scale`, fp32, as ever (`_save_to_state_dict`,
+    `_load_from_state_dict`), so checkpoints and files are the same."""
 
     def _store(self, weight: torch.Tensor, device: torch.device | None) -> None:
         """The scale and the cast computed on `device` (None: where `weight` is), the result
@@ -42,11 +48,41 @@ class Fp8Storage(nn.Module):
         scale = (amax / FP8_MAX).reshape(-1, *[1] * (w.dim() - 1))
         home = weight.device
         self.register_buffer("weight", (w / scale).to(FP8).view(torch.uint8).to(home))
-        self.register_buffer("weight_scale", scale.to(home))
+        self.register_buffer("weight_scale_bits", scale.to(home).view(torch.int32), False)
+
+    @property
+    def weight_scale(self) -> torch.Tensor:
+        """The fp32 scales as stored (their host copy while block swap holds the layer)."""
+        return stored(self, "weight_scale_bits").view(torch.float32)
+
+    def _scales_here(self) -> torch.Tensor:
+        """The fp32 scales where the layer is now (what the forward computes with)."""
+        return self.weight_scale_bits.view(torch.float32)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "weight_scale"] = self.weight_scale
+
+    def _load_from_state_dict(self, state, prefix, metadata, strict, missing, unexpected, errors):
+        super()._load_from_state_dict(state, prefix, metadata, strict, missing, unexpected, errors)
+        key = prefix + "weight_scale"
+        if key in unexpected:  # not a buffer of the module's own: its bits are
+            unexpected.remove(key)
+        if key not in state:
+            if strict:
+                missing.append(key)
+        elif state[key].shape != self.weight_scale.shape:
+            errors.append(
+                f"size mismatch for {key}: copying a param with shape {tuple(state[key].shape)}"
+                f" from checkpoint, the shape in current model is {tuple(self.weight_scale.shape)}."
+            )
+        else:
+            with torch.no_grad():  # into the stored bits (block swap: the host copy)
+                self.weight_scale.copy_(state[key])
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in `dtype` (fp8 -> fp32 is exact; the scale multiplies in fp32)."""
-        return _dequantize(stored(self, "weight"), stored(self, "weight_scale"), dtype)
+        return _dequantize(stored(self, "weight"), self.weight_scale, dtype)
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -116,7 +152,7 @@ class Fp8Linear(Fp8Storage):
         # made inside an autograd Function may not be modified in place (the blocks'
         # `ff(x).add_(x)`); the reshape back outside it is an ordinary view, and costs no copy
         rows = x.to(dtype).reshape(-1, self.in_features)
-        out = _Fp8Op.apply(rows, self.weight, self.weight_scale, bias, dtype, None)
+        out = _Fp8Op.apply(rows, self.weight, self._scales_here(), bias, dtype, None)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -134,17 +170,71 @@ class Fp8Conv2d(Fp8Storage):
         dtype = self.compute_dtype(x)
         bias = None if self.bias is None else self.bias.to(dtype)
         conv = (self.stride, self.padding, self.dilation, self.groups)
-        return _Fp8Op.apply(x.to(dtype), self.weight, self.weight_scale, bias, dtype, conv)
+        return _Fp8Op.apply(x.to(dtype), self.weight, self._scales_here(), bias, dtype, conv)
 
 
-def _own_output(layer: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    """bitsandbytes' int8 matmul (an autograd Function) returns a 3-d input's output as
-    a view, which autograd forbids to modify in place; the blocks do (`ff(x).add_(x)`): a copy
-    then."""
-    return output.clone() if output._is_view() else output
+def _int8_weight(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W = CB * SCB / 127 in `dtype` (LLM.int8's row-wise absmax scale), in bitsandbytes' own
+    expression (autograd/_functions.py, MatMul8bitFp's forward and both backwards), so that our
+    forward and backward give its values to the bit."""
+    return rows.to(dtype, copy=True).mul_(scales.unsqueeze(1).mul(1.0 / 127.0))
+
+
+class _Int8Op(torch.autograd.Function):
+    """y = x W^T + b on the int8 rows and their scales, as bitsandbytes' `bnb.matmul` computes it
+    for a frozen Linear8bitLt: training on the CPU / XPU, its MatMul8bitFp (W dequantized, then a
+    matmul); otherwise its MatMul8bitLt, LLM.int8 (arXiv:2208.07339, Sec. 3.2-3.4): the input
+    quantized row-wise to int8 except the columns with a value past `threshold`, which stay in
+    16 bits (the outlier decomposition), through bitsandbytes' own kernels. Used instead of those,
+    which keep the input (and its outlier columns) on the autograd context (`ctx.tensors`, `ctx.A`)
+    rather than in the saved tensors: activation checkpointing cannot drop them then, and every
+    int8 layer of a swapped block held its input from the forward to the backward (`ldm.block_swap`).
+    The frozen W needs no gradient, so its input is not needed at all: only the rows and the scales
+    are saved, and the backward dequantizes them again (grad_x = grad_y W), as bitsandbytes'."""
+
+    @staticmethod
+    def forward(ctx, x, rows, scales, bias, threshold, dequantize):
+        import bitsandbytes as bnb
+
+        ctx.save_for_backward(rows, scales)
+        ctx.dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
+        if dequantize:
+            return F.linear(x, _int8_weight(rows, scales, x.dtype), bias)
+        quantized, x_scales, outliers = bnb.functional.int8_vectorwise_quant(
+            x.to(torch.float16), threshold=threshold
+        )
+        out, _ = torch.ops.bitsandbytes.int8_mixed_scaled_mm(
+            x, quantized, rows, x_scales, scales, outliers, bias
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, scales = ctx.saved_tensors
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad.to(ctx.dtype) @ _int8_weight(rows, scales, ctx.dtype)  # (rows, in)
+        if ctx.needs_input_grad[3]:
+            grad_bias = grad.sum(0, dtype=ctx.bias_dtype)
+        return grad_x, None, None, grad_bias, None, None
+
+
+def _int8_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """bitsandbytes' `Linear8bitLt.forward` (the bias in the input's dtype, `bnb.matmul`'s choice
+    of path) through `_Int8Op`, on the layer's own tensors where it is now; 2-d inside the
+    Function, the reshape back outside it, so that the output takes an in-place residual (see
+    `Fp8Linear.forward`)."""
+    bias = None if layer.bias is None else layer.bias.to(x.dtype)
+    dequantize = layer.training and x.device.type in ("cpu", "xpu")  # as `bnb.matmul` picks
+    rows = x.reshape(-1, layer.in_features)
+    scales = layer.row_scales.view(torch.float32)
+    out = _Int8Op.apply(rows, layer.weight.data, scales, bias, layer.state.threshold, dequantize)
+    return out.view(*x.shape[:-1], layer.out_features)
 
 
 def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
+    import types
+
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear8bitLt(
@@ -162,32 +252,49 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -
     rows, scales, _ = bnb.functional.int8_vectorwise_quant(weight.to(torch.float16))
     home = linear.weight.device
     rows, scales = rows.to(home), scales.to(home)
-    # The rows only as the weight's data, the scales as a buffer of the layer: a move of the
-    # model (`Module._apply`: Lightning's, `Module.to`) replaces a parameter's data and the
-    # buffers, not the CB / SCB that bitsandbytes hangs on the parameter and on `layer.state`
-    # (which kept the host copies, read by the first forward on the device). Not persistent:
-    # bitsandbytes' own `_save_to_state_dict` writes them (as `SCB`). Their int32 bits, so
-    # that a dtype cast of the model (Lightning's true precision) leaves them as they are.
-    layer.weight = bnb.nn.Int8Params(
-        rows, requires_grad=False, has_fp16_weights=False, CB=None, SCB=scales
-    )
+    # The rows only as the weight's data, the scales only as a buffer of the layer: the layer's
+    # own tensors are all a move of the model (`Module._apply`: Lightning's, `Module.to`) and
+    # block swap (`ldm.block_swap`, which points them at placeholders on eviction) replace. The
+    # CB / SCB that bitsandbytes hangs on the parameter and on `layer.state` stay None: they
+    # would keep the tensors they once pointed at (host copies read on the device after a move,
+    # every swapped block's weights held on the device). The scales' int32 bits, so that a dtype
+    # cast of the model (Lightning's true precision) leaves them as they are; not persistent:
+    # bitsandbytes' own `_save_to_state_dict` writes them (as `SCB`).
+    layer.weight = bnb.nn.Int8Params(rows, requires_grad=False, has_fp16_weights=False)
     layer.register_buffer("row_scales", scales.view(torch.int32), persistent=False)
-    layer.register_forward_pre_hook(_int8_refs_to_module)
-    layer.register_state_dict_pre_hook(_int8_refs_to_module)
-    layer.register_load_state_dict_pre_hook(_int8_refs_to_module)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.register_forward_hook(_own_output)
+    layer.forward = types.MethodType(_int8_forward, layer)  # still a Linear8bitLt, by type
+    layer._save_to_state_dict = types.MethodType(_int8_save, layer)
+    layer._load_from_state_dict = types.MethodType(_int8_load, layer)
     return layer
 
 
-def _int8_refs_to_module(layer: nn.Module, *args) -> None:
-    """bitsandbytes' references to the int8 rows and scales pointed at the layer's own tensors,
-    where the layer is now, before each forward, state-dict save and load: `layer.state` is
-    what `bnb.matmul` and its backward read, the parameter's SCB what bitsandbytes' save and
-    load read (the load copies a state dict's `SCB` into it, so into the buffer)."""
-    layer.state.CB = layer.weight.data
-    layer.state.SCB = layer.weight.SCB = int8_scales(layer)
+@contextlib.contextmanager
+def _scales_lent_to_bitsandbytes(layer: nn.Module):
+    """The stored scales as the parameter's `SCB` for as long as bitsandbytes' own state-dict
+    code runs (its save writes `SCB` from there, its load copies a state dict's `SCB` into it,
+    so into the stored scales - the host copy while block swap holds the layer); None again
+    after, so that no reference outlives the call."""
+    layer.weight.SCB = int8_scales(layer)
+    try:
+        yield
+    finally:
+        layer.weight.SCB = None
+
+
+def _int8_save(layer: nn.Module, *args) -> None:
+    import bitsandbytes as bnb
+
+    with _scales_lent_to_bitsandbytes(layer):
+        bnb.nn.Linear8bitLt._save_to_state_dict(layer, *args)
+
+
+def _int8_load(layer: nn.Module, *args) -> None:
+    import bitsandbytes as bnb
+
+    with _scales_lent_to_bitsandbytes(layer):
+        bnb.nn.Linear8bitLt._load_from_state_dict(layer, *args)
 
 
 class _Nf4Op(torch.autograd.Function):
@@ -357,16 +464,16 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
     # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
-    scales = int8_scales(layer)
+    weight, scales = stored(layer, "weight"), int8_scales(layer)  # block swap: the host copies
     return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:
-    """The row scales (SCB, fp32) of an int8 layer made by `quantized_layer`, where the layer
-    is (its `row_scales` buffer); of another Linear8bitLt, wherever bitsandbytes keeps them."""
-    bits = getattr(layer, "row_scales", None)
-    if bits is not None:
-        return bits.view(torch.float32)
+    """The row scales (SCB, fp32) of an int8 layer made by `quantized_layer` as stored (its
+    `row_scales` buffer, or the buffer's host copy while block swap holds the layer: `stored`);
+    of another Linear8bitLt, wherever bitsandbytes keeps them."""
+    if "row_scales" in layer._buffers:
+        return stored(layer, "row_scales").view(torch.float32)
     scales = getattr(layer.weight, "SCB", None)
     if scales is None:
         scales = getattr(getattr(layer, "state", None), "SCB", None)

@@ -19,7 +19,7 @@ The launcher's plan (`lun.memory.plan_run`) quantizes the built model before it 
 parts are the real tensors; `quantization_state_part` adds what bitsandbytes keeps outside the
 parameters. `auto` tries none, fp8, int8, nf4 in that order (each costs more precision than the
 one before) and takes the first whose plan fits the device; `blocks_to_swap: auto` then (or
-when none fits unswapped: fp8, then nf4) the fewest swapped blocks whose re-plan fits
+when none fits unswapped: fp8, int8, then nf4) the fewest swapped blocks whose re-plan fits
 (`plan_with_quantization`), in the order of `choose`.
 """
 
@@ -262,7 +262,7 @@ AUTO_KEYS = {
     "base_quantization": f"the format ({', '.join(ORDER)})",
     "blocks_to_swap": "the number of blocks (main.py --plan on one process prints the one it picks)",
 }
-SWAPPABLE = ("fp8", "nf4")  # bitsandbytes' int8 keeps its own reference to the weight
+SWAPPABLE = ("fp8", "int8", "nf4")  # the formats tried with block swap, in ORDER's order
 REPLANS = 8  # re-plans of `blocks_to_swap: auto` (a bisection over up to 2^7 blocks)
 
 
@@ -270,7 +270,7 @@ def plan_with_quantization(model, trainer, make_plan) -> MemoryPlan:
     """`make_plan()` (lun.memory.memory_plan) after quantizing `model`'s base as its LoRA
     settings say, its blocks swapped as they say. `auto` is resolved here, in `choose`'s order:
     each format of ORDER unswapped (`base_quantization: auto`: the first that fits), then (with
-    `blocks_to_swap: auto`) fp8 and nf4 with the fewest swapped blocks that fit; the settings
+    `blocks_to_swap: auto`) fp8, int8 and nf4 with the fewest swapped blocks that fit; the settings
     take the choice. A setting that the installed bitsandbytes or the device cannot run is
     refused in one line, and so is `auto` on several processes (only rank 0 plans)."""
     settings = getattr(model, "lora_settings", None)
@@ -317,13 +317,13 @@ def _plan_format(model, trainer, make_plan, swap_auto: bool) -> MemoryPlan:
 
     chosen, need, swapping = "none", plan.peak(place), False
     for kind in ORDER:
-        if not runs(kind) or (kind == "int8" and skip):  # refused with block swap (settings)
+        if not runs(kind):
             continue
         need = plan.peak(place) - now + sum(t for t, _ in _block_bytes(model, kind, size)[skip:])
         chosen = kind
         if budget is None or need <= budget:
             break
-    else:  # none fits unswapped: fp8, then nf4, with the fewest blocks swapped that fit
+    else:  # none fits unswapped: fp8, int8, then nf4, with the fewest blocks swapped that fit
         for kind in (k for k in SWAPPABLE if swap_auto and place == DEVICE and runs(k)):
             blocks = _block_bytes(model, kind, size)
             unswapped = plan.peak(place) - now + sum(total for total, _ in blocks)
@@ -364,8 +364,6 @@ def _plan_swap(model, plan: MemoryPlan, make_plan) -> MemoryPlan:
         why = "no device budget known"
     elif depth is None:
         why = "the backbone names no blocks to swap"
-    elif settings.base_quantization == "int8":
-        why = "an int8 base cannot swap; fp8 or nf4 can"
     if why:
         print(f"blocks_to_swap auto: 0 ({why})")
         return plan
@@ -518,13 +516,13 @@ def counts_plan(
 
 
 def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, MemoryPlan]:
-    """The first setting that fits `budget`: each format of ORDER without swap, then fp8 and
-    nf4 with the fewest swapped blocks that fit. MemoryPlanError (the options) when none does."""
+    """The first setting that fits `budget`: each format of ORDER without swap, then each of
+    SWAPPABLE (fp8, int8, nf4) with the fewest swapped blocks that fit. MemoryPlanError (the options) when none does."""
     depth = sum(b.count for b in counts.blocks)
     tried = []
     for kind, swap in [
         *((k, 0) for k in ORDER),
-        *((k, n) for k in ("fp8", "nf4") for n in range(1, depth)),
+        *((k, n) for k in SWAPPABLE for n in range(1, depth)),
     ]:
         plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
         if plan.peak(DEVICE) <= budget:

@@ -161,6 +161,3 @@ def _check_quantization(values: Mapping) -> None:
     swap = values.get("blocks_to_swap", 0)
     if swap != "auto" and (isinstance(swap, bool) or not isinstance(swap, int) or swap < 0):
         fail("blocks_to_swap", f"must be a whole number >= 0 or auto, got {swap!r}")
-    # Linear8bitLt keeps its own reference to the int8 weight ("auto" resolves to 0 with int8)
-    if swap not in (0, "auto") and kind == "int8":
-        fail("blocks_to_swap", "not with an int8 base (bitsandbytes); use fp8 or nf4")

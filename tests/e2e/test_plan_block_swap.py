@@ -1,12 +1,13 @@
 """`main.py -t` on a LoRA with block swap: the plan it runs before the run folder holds the
-swapped blocks in host RAM (their bytes from the model's own blocks), and the fit after that plan
-still swaps, trains and saves a checkpoint of the whole model (no placeholders)."""
+swapped blocks in host RAM (their bytes from the model's own blocks' shapes), and the fit after
+that plan still swaps, trains and saves a checkpoint of the whole model (no placeholders)."""
 
 import json
 
 import pytest
 import torch
 from run_helpers import pretrained_base, refused_here, run_main_here, train_here
+from torch import nn
 
 from ldm import checkpoint
 from ldm.block_swap import blocks_of
@@ -16,8 +17,25 @@ from lun.config import merge_configs, to_container
 SWAPPED = 3
 
 
+def int8_swapped_bytes(block) -> int:
+    """Bytes a swap holds in host RAM of an unquantized `block` once its base is int8 (LLM.int8,
+    bitsandbytes' format: each frozen Linear one byte a value and one fp32 scale a row); every
+    other frozen tensor as it is."""
+    frozen = [*(p for p in block.parameters() if not p.requires_grad), *block.buffers()]
+    linears = [m for m in block.modules() if type(m) is nn.Linear and not m.weight.requires_grad]
+    weights = {id(m.weight) for m in linears}
+    other = sum(t.numel() * t.element_size() for t in frozen if id(t) not in weights)
+    return other + sum(m.out_features * (m.in_features + 4) for m in linears)
+
+
+# An int8 base: its run goes the whole way of a plain one (plan, swap, fit, checkpoint) and more
+# (the base quantized by the plan, bitsandbytes' layers swapped); a swapped plain base is planned
+# in tests/lun/test_memory_swap.py and fitted in tests/ldm/test_block_swap.py, in-process.
 @pytest.mark.slow  # a one-step Lightning fit of the tiny SD
-def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_config, shapes_dir):
+def test_main_plans_the_swapped_int8_blocks_then_trains_with_them(
+    tmp_path, tiny_config, shapes_dir
+):
+    pytest.importorskip("bitsandbytes")
     pretrained_base(tiny_config, tmp_path / "base.ckpt")
     run = train_here(
         [
@@ -26,7 +44,7 @@ def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_conf
             f"data.params.train.params.data_root={shapes_dir}",
             f"model.params.ckpt_path={tmp_path / 'base.ckpt'}",
             "model.base_learning_rate=1.0e-2",
-            f"model.params.lora={{rank: 2, blocks_to_swap: {SWAPPED}}}",
+            f"model.params.lora={{rank: 2, blocks_to_swap: {SWAPPED}, base_quantization: int8}}",
             "lightning.trainer.max_steps=1",
         ],
         logs=tmp_path / "logs",
@@ -34,11 +52,7 @@ def test_main_plans_the_swapped_blocks_then_trains_with_them(tmp_path, tiny_conf
     )
     configs = sorted((run / "configs").glob("*.yaml"))
     built = instantiate_from_config(to_container(merge_configs(configs))["model"])
-    swapped = sum(
-        t.numel() * t.element_size()
-        for block in blocks_of(built.model)[:SWAPPED]
-        for t in [*(p for p in block.parameters() if not p.requires_grad), *block.buffers()]
-    )
+    swapped = sum(int8_swapped_bytes(block) for block in blocks_of(built.model)[:SWAPPED])
     plan = {p["name"]: p for p in json.loads((run / "memory-plan.json").read_text())["parts"]}
     assert plan["frozen: swapped blocks"]["nbytes"] == swapped
 

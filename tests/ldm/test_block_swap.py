@@ -188,13 +188,17 @@ def test_an_nf4_layer_computes_as_bitsandbytes_own_forward(compute_dtype, autoca
     assert torch.equal(mine, reference)
 
 
-def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
-    """fp8 layers save their fp8 bytes for the backward (ldm.quantize): under block swap's
-    recompute those are the reloaded block's, and the adapters' gradients stay the same."""
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_a_quantized_base_swaps_with_bitwise_the_same_gradients(kind):
+    """fp8 and int8 layers save their stored bytes and scales for the backward (ldm.quantize):
+    under block swap's recompute those are the reloaded block's, and the adapters' gradients
+    stay the same."""
+    if kind == "int8":
+        pytest.importorskip("bitsandbytes")
     from ldm.lora import quantize_blocks
 
     plain = with_adapters(tiny_dit())
-    assert quantize_blocks(plain, "fp8", torch.float32) > 0
+    assert quantize_blocks(plain, kind, torch.float32) > 0
     swapped = copy.deepcopy(plain)
     swap_blocks(swapped, SWAPPED, torch.device("cpu"))
     expected, got = step(plain), step(swapped)
@@ -203,12 +207,12 @@ def test_an_fp8_base_swaps_with_bitwise_the_same_gradients():
     assert all(torch.equal(got[2][n], expected[2][n]) for n in expected[2])
 
 
-@pytest.mark.parametrize("kind", ["fp8", "nf4"])
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
 def test_a_checkpoint_of_a_swapped_quantized_base_is_the_one_without_swap(kind):
     """A LoRA run's checkpoint holds the quantized base's weights dequantized (ldm.lora.
     checkpoints, `ldm.quantize.dequantize` of each layer): under block swap, for the blocks off
     the device as for those on it, they are what they are without swap."""
-    if kind == "nf4":
+    if kind in ("int8", "nf4"):
         pytest.importorskip("bitsandbytes")
     from ldm.diffusion import DiffusionWrapper
     from ldm.lora import quantize_blocks
@@ -233,11 +237,74 @@ def test_a_checkpoint_of_a_swapped_quantized_base_is_the_one_without_swap(kind):
     assert [k for k in frozen if not torch.equal(got[k], expected[k])] == []
 
 
-def test_int8_with_block_swap_is_refused_by_name():
+def test_int8_with_block_swap_is_accepted():
     from ldm.lora import parse_settings
 
-    with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: not with an int8"):
-        parse_settings({"base_quantization": "int8", "blocks_to_swap": 2})
+    for swap in (2, "auto"):
+        settings = parse_settings({"base_quantization": "int8", "blocks_to_swap": swap})
+        assert (settings.base_quantization, settings.blocks_to_swap) == ("int8", swap)
+
+
+def quantized_dit(kind: str, seed=0):
+    """The tiny DiT with adapters, its blocks' frozen layers stored as `kind`."""
+    if kind == "int8":
+        pytest.importorskip("bitsandbytes")
+    from ldm.lora import quantize_blocks
+
+    model = tiny_dit()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():  # seed 0: tiny_dit's weights; others: weights of their own
+            p.add_(0.05 * seed * torch.randn(p.shape, generator=generator))
+    model = with_adapters(model)
+    assert quantize_blocks(model, kind, torch.float32) > 0
+    return model
+
+
+def test_an_evicted_int8_layer_points_at_nothing_but_placeholders_and_its_host_copies():
+    """bitsandbytes hangs references to the int8 rows and scales on the layer's state and on
+    its parameter (CB, SCB): after a step, a layer whose block left the device keeps no tensor
+    there through any of them - only the empty placeholders and, in host RAM, the copies."""
+    from ldm.block_swap import host_copy
+
+    model = quantized_dit("int8")
+    swap = swap_blocks(model, SWAPPED, torch.device("cpu"))
+    step(model)
+    gone = [index for index in range(SWAPPED) if index not in swap.loaded]
+    layers = [
+        m for i in gone for m in blocks_of(model)[i].modules() if type(m).__name__ == "Linear8bitLt"
+    ]
+    assert gone and layers
+    for layer in layers:
+        hosts = [host_copy(layer, "weight"), host_copy(layer, "row_scales")]
+        assert all(h is not None and h.numel() > 0 for h in hosts)
+        reachable = [layer.weight.data, layer.row_scales]
+        reachable += [layer.state.CB, layer.state.SCB, layer.weight.CB, layer.weight.SCB]
+        for tensor in (t for t in reachable if t is not None):
+            assert tensor.numel() == 0 or any(
+                tensor.untyped_storage().data_ptr() == h.untyped_storage().data_ptr() for h in hosts
+            )
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_swapped_quantized_base_saves_and_loads_the_state_dict_without_swap(kind):
+    """The state dict of a quantized layer - bitsandbytes' for int8 (`weight` int8, `SCB` fp32,
+    `weight_format`), fp8's (`weight` bytes, `weight_scale` fp32), the scales of both held as
+    int32 bits in the module - from a swapped model, blocks loaded or not, is the one without
+    swap; loading another model's fills the host copies (weights and scales) and the blocks on
+    the device: the swapped model then computes as it."""
+    plain, other = quantized_dit(kind, seed=0), quantized_dit(kind, seed=1)
+    swapped = copy.deepcopy(plain)
+    swap = swap_blocks(swapped, SWAPPED, torch.device("cpu"))
+    step(swapped)
+    assert 0 < len(swap.loaded) < SWAPPED
+    expected, state = plain.state_dict(), swapped.state_dict()
+    scales = ".SCB" if kind == "int8" else ".weight_scale"
+    assert state.keys() == expected.keys() and any(k.endswith(scales) for k in state)
+    assert [k for k in expected if not torch.equal(state[k], expected[k])] == []
+    swapped.load_state_dict(other.state_dict())
+    got, want = step(swapped), step(other)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # --- the order of copies, waits and evictions (what keeps the device's streams safe) -------------
@@ -329,16 +396,18 @@ def test_a_new_pass_has_its_second_block_on_the_way_while_the_first_computes():
     assert present == [True, True, True]
 
 
-@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+@pytest.mark.parametrize("kind", ["none", "fp8", "int8", "nf4"])
 def test_a_block_off_the_device_holds_no_memory_there_while_the_graph_waits(kind):
     """Block swap's point: once a block has left the device its weights' memory there is free,
     also between the forward and the backward (when the autograd graph of the whole step is
     alive: the swapped blocks run under activation checkpointing, which saves nothing of
-    them). Any layer keeping its weight in the graph outside autograd's saved tensors would
-    keep every swapped block on the device."""
+    them). Any layer keeping its weight in the graph outside autograd's saved tensors (or a
+    reference of its own: bitsandbytes' CB / SCB) would keep every swapped block on the
+    device; any keeping its input there (bitsandbytes' matmuls keep it on their autograd
+    context) would keep every swapped block's activations until the backward."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    if kind == "nf4":
+    if kind in ("int8", "nf4"):
         pytest.importorskip("bitsandbytes")
     from ldm.lora import quantize_blocks
 
@@ -348,12 +417,16 @@ def test_a_block_off_the_device_holds_no_memory_there_while_the_graph_waits(kind
     swap = swap_blocks(model, SWAPPED, torch.device("cpu"), resident=2)
     blocks = blocks_of(model)
     storages = {index: [] for index in range(SWAPPED)}  # what each block computed with
+    inputs = {index: [] for index in range(SWAPPED)}  # its frozen layers' inputs
 
     def record(index):
-        def hook(*_):
+        def hook(module, args):
             for tensor in [*blocks[index].parameters(), *blocks[index].buffers()]:
                 if not tensor.requires_grad:
                     storages[index].append(StorageWeakRef(tensor.untyped_storage()))
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and not weight.requires_grad:
+                inputs[index].append(StorageWeakRef(args[0].untyped_storage()))
 
         return hook
 
@@ -367,6 +440,9 @@ def test_a_block_off_the_device_holds_no_memory_there_while_the_graph_waits(kind
     assert gone and all(storages[index] for index in gone)
     held = [index for index in gone if not all(s.expired() for s in storages[index])]
     assert held == [], f"blocks {held} still hold their weights, off the device"
+    assert all(inputs[index] for index in range(SWAPPED))
+    kept = [index for index in range(SWAPPED) if not all(s.expired() for s in inputs[index])]
+    assert kept == [], f"blocks {kept} still hold their layers' inputs until the backward"
     out.square().mean().backward()  # and the backward still runs (reloading them)
 
 
@@ -579,6 +655,7 @@ def assert_unswapped_as(model, reference):
     for block in blocks_of(model.model):
         assert "forward" not in block.__dict__  # the class's own forward, no wrapper
         assert not block._state_dict_hooks and not block._load_state_dict_pre_hooks
+        assert not block._load_state_dict_post_hooks
         assert all(HOST_COPIES not in m.__dict__ for m in block.modules())
     expected, got = reference.state_dict(), model.state_dict()
     assert got.keys() == expected.keys()

@@ -63,6 +63,61 @@ def test_fp8_conv_within_the_bound_and_the_module_cast_keeps_the_bytes():
     assert torch.equal(quantized.weight, before)
 
 
+def fp8_twins(kind: str):
+    """An fp8 Linear / Conv2d (no bias: a module cast rounds a bias, not the point here) and an
+    fp32 input; scales far from bf16's grid (absmax / 448 of random rows)."""
+    torch.manual_seed(2)
+    if kind == "linear":
+        layer, x = nn.Linear(64, 48, bias=False), torch.randn(4, 64)
+        return quantize.Fp8Linear(layer.requires_grad_(False)), layer, x
+    layer, x = nn.Conv2d(8, 6, 3, padding=1, bias=False), torch.randn(2, 8, 5, 5)
+    return quantize.Fp8Conv2d(layer.requires_grad_(False)), layer, x
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_fp8_scales_stay_fp32_through_a_bf16_cast_of_the_module(kind):
+    """Lightning's `precision: bf16-true` converts the model with `.to(bfloat16)`: the fp8 bytes
+    and their per-channel fp32 scales are storage, not values to round (a bf16 scale errs by up
+    to 2^-9 on every weight of its channel). The layer computes after the cast what it did
+    before, to the bit, and its state dict is the one before."""
+    fp8, _, x = fp8_twins(kind)
+    before, state = fp8(x), {k: v.clone() for k, v in fp8.state_dict().items()}
+    scale = state["weight_scale"]
+    assert not torch.equal(scale.bfloat16().float(), scale)  # a cast of them would round
+    fp8.to(torch.bfloat16)
+    assert torch.equal(fp8(x), before)
+    after = fp8.state_dict()
+    assert list(after) == list(state)
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_fp8_state_dict_is_the_bytes_and_fp32_scales_and_loads_across_a_bf16_cast(kind):
+    """The state dict's fp8 entries, from their definition: `weight` the e4m3 bytes of W / s,
+    `weight_scale` s = per-channel absmax / 448 in fp32, shaped to broadcast over W - the keys
+    and dtypes checkpoints and fp8 files always held. One saved before a `.to(bfloat16)` loads
+    after it and the reverse (strict), and the loaded layer computes as the one it came from."""
+    source, layer, x = fp8_twins(kind)
+    w = layer.weight.float()
+    dims = tuple(range(1, w.dim()))
+    scale = w.abs().amax(dim=dims, keepdim=True) / 448
+    state = source.state_dict()
+    assert sorted(state) == ["weight", "weight_scale"]
+    assert state["weight_scale"].dtype == torch.float32 and torch.equal(
+        state["weight_scale"], scale
+    )
+    fp8_bytes = (w / scale).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert state["weight"].dtype == torch.uint8 and torch.equal(state["weight"], fp8_bytes)
+    for cast_source in (False, True):  # saved before the cast, loaded after; and the reverse
+        source, _, _ = fp8_twins(kind)
+        target, _, _ = fp8_twins(kind)
+        with torch.no_grad():
+            target.weight.zero_(), target.weight_scale.fill_(1.0)  # nothing of the source
+        (source if cast_source else target).to(torch.bfloat16)
+        target.load_state_dict(source.state_dict())
+        assert torch.equal(target(x), source(x))
+
+
 def test_int8_output_within_the_llm_int8_bound():
     pytest.importorskip("bitsandbytes")
     layer, x = layer_and_input()

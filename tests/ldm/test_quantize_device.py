@@ -104,7 +104,7 @@ def bnb_own_on_the_cpu(linear: nn.Linear, kind: str, dtype: torch.dtype) -> dict
 
 def ours(layer: nn.Module, kind: str) -> dict:
     if kind == "int8":
-        return {"bits": layer.weight.data, "scales": layer.weight.SCB}
+        return {"bits": layer.weight.data, "scales": quantize.int8_scales(layer)}
     state = layer.weight.quant_state
     return {
         "bits": layer.weight.data,
@@ -238,10 +238,6 @@ def forward_backward(model, x, g):
     return out.detach(), x.grad
 
 
-def storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
 @pytest.mark.parametrize("training", [True, False])  # bitsandbytes' CPU paths differ (dequantize
 def test_int8_runs_on_what_the_move_made(training):  # + matmul; its int8 kernels)
     model, never_moved = int8_pair()
@@ -252,11 +248,12 @@ def test_int8_runs_on_what_the_move_made(training):  # + matmul; its int8 kernel
     assert torch.equal(forward_backward(model, x, g)[0], want[0])  # a forward before the move
     moved(model)
     got = forward_backward(model, x, g)
-    # what bitsandbytes' matmul read (its state, set for this forward) is the moved layer's own
+    model.state_dict()  # bitsandbytes' save reads the parameter's SCB: lent for it, taken back
+    # bitsandbytes' side references (which a move leaves behind) hold nothing: the forward
+    # read the moved layer's own tensors ...
     for layer in (model[0], model[2]):
-        assert storage(layer.state.CB) == storage(layer.weight)
-        assert storage(layer.state.SCB) in {storage(t) for t in layer.buffers()}
-    # and computes what the layer never moved does, to the bit
+        assert all(t is None for t in (layer.state.CB, layer.state.SCB, layer.weight.SCB))
+    # ... and computes what the layer never moved does, to the bit
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
@@ -300,6 +297,67 @@ def test_int8_scales_keep_their_bits_through_a_dtype_cast():
     x = torch.randn(2, 64)
     model(x.bfloat16()), never_moved(x)
     for layer, want in ((model[0], never_moved[0]), (model[2], never_moved[2])):
-        assert layer.state.SCB.dtype == torch.float32
-        assert torch.equal(layer.state.SCB, want.state.SCB)
+        scales = layer.state_dict()["SCB"]  # bitsandbytes' own save: what it computes with
+        assert scales.dtype == torch.float32
+        assert torch.equal(scales, want.state_dict()["SCB"])
         assert torch.equal(quantize.dequantize(layer), quantize.dequantize(want))
+
+
+# --- an int8 layer's own autograd Function against bitsandbytes' Linear8bitLt --------------------
+
+
+@pytest.mark.parametrize("training", [True, False])  # bitsandbytes' CPU paths: its MatMul8bitFp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (dequantize + matmul), its
+@pytest.mark.parametrize("autocast", [False, True])  # MatMul8bitLt (LLM.int8, outliers apart)
+def test_int8_computes_as_bitsandbytes_own_linear8bitlt(training, dtype, autocast):
+    """Our int8 layer runs through its own autograd Function (which saves only the int8 rows and
+    their scales, for block swap); its output and input gradient are bitwise those of
+    bitsandbytes' own Linear8bitLt quantized by its own move, on the same weights."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96).requires_grad_(False)
+    ours = quantize.quantized_layer(linear, "int8", torch.float32).train(training)
+    theirs = bnb_own_int8(linear).train(training)
+    x = (torch.randn(3, 5, 64) * 3).to(dtype)  # * 3: columns past the 6.0 outlier threshold
+    assert (x.abs() > 6).any(dim=(0, 1)).sum() > 0
+    g = torch.randn(3, 5, 96)
+    results = []
+    for layer in (ours, theirs):
+        leaf = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            out = layer(leaf)
+        (out.float() * g).sum().backward()
+        results.append((out.detach(), leaf.grad))
+    (out, grad), (want, want_grad) = results
+    assert out.dtype == want.dtype and torch.equal(out, want)
+    assert grad.dtype == want_grad.dtype and torch.equal(grad, want_grad)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_int8_saves_its_rows_and_scales_and_nothing_of_its_input(training):
+    """What the backward needs (grad_x = grad_y W, W = CB * SCB / 127; the frozen W gets no
+    gradient) and nothing more: the rows and the scales, as autograd's saved tensors (which
+    activation checkpointing drops and recomputes), none of the input - which is freed once
+    the forward no longer holds it, also while the output's graph is alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    layer = quantize.quantized_layer(nn.Linear(64, 96).requires_grad_(False), "int8", torch.float32)
+    layer.train(training)
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), tensor.dtype))
+        return tensor
+
+    leaf = torch.randn(5, 64, requires_grad=True)
+    x = leaf * 3  # an activation: only the graph could keep it alive
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x)
+    assert sorted(saved, key=str) == sorted(
+        [((96, 64), torch.int8), ((96,), torch.float32)], key=str
+    )
+    input_storage = StorageWeakRef(x.untyped_storage())
+    del x
+    assert input_storage.expired()
+    out.sum().backward()
+    assert leaf.grad is not None and leaf.grad.abs().sum() > 0

@@ -53,14 +53,17 @@ def test_planned_base_bytes_are_the_allocated_ones_within_10_percent(kind):
     assert planned == pytest.approx(measured, rel=0.10)
 
 
-def test_block_swap_staging_is_the_profiled_peak():
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_block_swap_staging_is_the_profiled_peak(kind):
     from ldm.block_swap import BlockSwap
     from ldm.quantize import quantize_frozen
 
+    if kind == "int8":
+        pytest.importorskip("bitsandbytes")
     counts = flux_dev(**REDUCED)
     counts.rest_linears, counts.rest_other = [], 0
     backbone = build(counts).to(torch.bfloat16)
-    quantize_frozen(backbone, "fp8", torch.bfloat16)
+    quantize_frozen(backbone, kind, torch.bfloat16)
     blocks, held = list(backbone.blocks), held_bytes(backbone)
     swap = BlockSwap(blocks, torch.device("cpu"), resident=2)
 
@@ -69,7 +72,7 @@ def test_block_swap_staging_is_the_profiled_peak():
             swap.load(i)
 
     measured = peak_allocated(run_through, torch.device("cpu"))
-    plan = counts_plan(counts, "fp8", blocks_to_swap=len(blocks), device="cpu")
+    plan = counts_plan(counts, kind, blocks_to_swap=len(blocks), device="cpu")
     planned = {p.name: p.nbytes for p in plan.parts}
     assert planned["block swap staging"] == pytest.approx(measured, rel=0.10)
     assert planned["frozen: base"] == 0  # every block in host RAM
@@ -174,11 +177,11 @@ def swapped_tensor_bytes(kind: str, counts) -> list[int]:
 SWAP_SHAPES = dict(h=512, double=1, single=1)  # tensors from 0.25 KiB to 3 MiB
 
 
-@pytest.mark.parametrize("kind", ["none", "fp8", "nf4"])
+@pytest.mark.parametrize("kind", ["none", "fp8", "int8", "nf4"])
 def test_swapped_blocks_count_pinned_rounding_on_an_accelerator_and_exact_bytes_on_the_cpu(
     kind, monkeypatch
 ):
-    if kind == "nf4":
+    if kind in ("int8", "nf4"):
         pytest.importorskip("bitsandbytes")
     for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
         monkeypatch.delenv(name, raising=False)

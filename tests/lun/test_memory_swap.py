@@ -236,3 +236,31 @@ def test_an_nf4_base_keeps_its_quantization_state_on_the_device_when_swapped():
     )
     packed = [t for block in block_bytes(model)[:SWAPPED] for t in block]
     assert plain["frozen: model"].nbytes - swapped["frozen: model"].nbytes == sum(packed)
+
+
+def test_an_int8_base_swaps_its_rows_and_scales_and_keeps_nothing_on_the_device():
+    """An int8 base (LLM.int8, bitsandbytes' format: one byte a value, one fp32 scale a row)
+    with blocks swapped: the plan holds in host RAM each swapped Linear's rows and scales (from
+    the layers' shapes) and the blocks' other frozen tensors, off the device by as much, and no
+    bitsandbytes state of its own anywhere."""
+    pytest.importorskip("bitsandbytes")
+    model = build(CONFIG, f"{{rank: 2, blocks_to_swap: {SWAPPED}, base_quantization: int8}}")
+    model.strategy_casts_parameters = False
+    trainer = quiet_trainer(max_steps=1)
+
+    def plan(count):
+        return parts(memory_plan(with_swap(model, count), trainer, activations=0, host_budget=BIG))
+
+    swapped, plain = plan(SWAPPED), plan(0)
+    expected, layers = 0, 0
+    for block in blocks_of(model.model)[:SWAPPED]:
+        int8 = [m for m in block.modules() if type(m).__name__ == "Linear8bitLt"]
+        layers += len(int8)
+        rows = sum(m.out_features * m.in_features + 4 * m.out_features for m in int8)
+        quantized = {id(t) for m in int8 for t in (m.weight, m.row_scales)}
+        frozen = [p for p in block.parameters() if not p.requires_grad] + list(block.buffers())
+        other = [t for t in frozen if id(t) not in quantized]
+        expected += rows + sum(t.numel() * t.element_size() for t in other)
+    assert layers > 0 and swapped["frozen: swapped blocks"].nbytes == expected
+    assert plain["frozen: model"].nbytes - swapped["frozen: model"].nbytes == expected
+    assert "frozen: quantization state" not in swapped

@@ -23,8 +23,8 @@ from lun.memory_quant import plan_with_quantization
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "ldm.yaml"
 BIG = 1 << 40  # a budget nothing reaches
 # `lun.memory_quant.choose`'s order, as its docstring states it: each format unswapped, then
-# fp8 and nf4 with the fewest blocks swapped (int8 cannot swap)
-FORMATS, SWAPPABLE = ("none", "fp8", "int8", "nf4"), ("fp8", "nf4")
+# fp8, int8 and nf4 with the fewest blocks swapped
+FORMATS, SWAPPABLE = ("none", "fp8", "int8", "nf4"), ("fp8", "int8", "nf4")
 
 
 def tiny_lora(settings: str):
@@ -90,6 +90,22 @@ def test_auto_swaps_the_fewest_blocks_whose_replan_fits(peaks, fits_with, capsys
         f"{_gib(peaks[expected])} of {_gib(budget)}"
     )
     assert swapped_by_the_fit(model) == expected  # the fit follows the choice
+
+
+def test_an_int8_base_swaps_the_fewest_blocks_whose_replan_fits():
+    """`base_quantization: int8` with `blocks_to_swap: auto`: the int8 model planned with each
+    number of blocks swapped, the fewest that fit the budget taken, and the fit swaps them."""
+    pytest.importorskip("bitsandbytes")
+    model = tiny_lora("{rank: 2, base_quantization: int8}")
+    peaks = [peak_with(model, n) for n in range(7)]
+    budget = peaks[6]  # (the first blocks' staging outweighs what swapping them saves)
+    expected = min(n for n, peak in enumerate(peaks) if peak <= budget)
+    assert expected > 0
+    model, plan = resolve("{rank: 2, base_quantization: int8, blocks_to_swap: auto}", budget)
+    chosen = (model.lora_settings.base_quantization, model.lora_settings.blocks_to_swap)
+    assert chosen == ("int8", expected)
+    assert plan.peak(DEVICE) == peaks[expected]
+    assert swapped_by_the_fit(model) == expected
 
 
 def test_a_replan_over_budget_after_all_tries_the_next_number(peaks, capsys):
