@@ -165,10 +165,10 @@ def rows_compile_channels_last(args, s, device, emit) -> None:
 # a side stream, the compute stream waiting on their events) and the quantized bases under it, run
 # once on the device. One LoRA training step of a DiT (DiT-XL/2 at 256 px: 28 blocks, batch 8,
 # bf16 autocast) with every block swapped (two on the device at once) against the same model
-# without swap, for a bf16, an fp8 and an nf4 base: the peak memory and step time of each, and how
-# far the swapped step's output and adapter gradients are from the plain one's (0 when the copies
-# are complete and ordered and the kernels deterministic). And an int8 base (which cannot swap)
-# after Lightning's move, against the CPU's step (`moved_int8_row`).
+# without swap, for a bf16, an fp8, an int8 and an nf4 base: the peak memory and step time of each,
+# and how far the swapped step's output and adapter gradients are from the plain one's (0 when the
+# copies are complete and ordered and the kernels deterministic). And an int8 base after
+# Lightning's move, against the CPU's step (`moved_int8_row`).
 DIT_XL = {"input_size": 32, "patch_size": 2, "hidden_size": 1152, "depth": 28, "num_heads": 16}
 DIT_TINY = {"input_size": 8, "patch_size": 2, "hidden_size": 64, "depth": 4, "num_heads": 2}
 
@@ -290,9 +290,9 @@ def swap_row(s: dict, model, device, kind: str) -> dict:
 
 
 def moved_int8_row(s: dict, model, device) -> dict:
-    """An int8 base (which cannot swap) through a run's path: quantized by `quantize_base` on
+    """An int8 base through a run's path: quantized by `quantize_base` on
     the device, the model moved there as Lightning moves it (`Module.to`: bitsandbytes' own
-    CB / SCB would stay behind, `ldm.quantize._int8`), one step; its output and adapter
+    CB / SCB, where they were kept, stayed behind: `ldm.quantize._int8`), one step; its output and adapter
     gradients against the same base quantized and stepped on the CPU, one sample each."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cpu = torch.device("cpu")
@@ -323,7 +323,7 @@ def rows_swap(args, s, device, emit) -> None:
     torch.manual_seed(1)
     for layer in model.zero_init_layers():
         torch.nn.init.normal_(layer.weight, std=0.02)
-    for kind in ("none", "fp8", "nf4"):
+    for kind in ("none", "fp8", "int8", "nf4"):
         base = "bf16" if kind == "none" and device.type == "cuda" else kind
         label = f"swap: DiT LoRA step, every block swapped, {base} base"
         attempt(emit, label, lambda kind=kind: swap_row(s, model, device, kind))

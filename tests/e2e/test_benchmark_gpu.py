@@ -94,7 +94,12 @@ def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
     assert any(name.startswith("sampling") for name in rows)
     # block swap on the CPU: plain copies, the same kernels - the swapped step is the plain one
     swaps = [row for name, row in rows.items() if name.startswith("swap:")]
-    assert [row["row"].split(", ")[-1] for row in swaps] == ["none base", "fp8 base", "nf4 base"]
+    assert [row["row"].split(", ")[-1] for row in swaps] == [
+        "none base",
+        "fp8 base",
+        "int8 base",
+        "nf4 base",
+    ]
     for row in swaps:
         assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
     assert "| row | img/s | vs diffusers |" in printed
