@@ -1,6 +1,8 @@
 """scripts/plant_bugs.py: a planted bug that its test sees is "caught", one it does not is
 "MISSED" (exit 1), as is one that only breaks an import, and the tree itself is left as it was."""
 
+from pathlib import Path
+
 import plant_bugs
 import yaml
 
@@ -39,3 +41,17 @@ def test_a_bug_whose_text_is_not_there_is_refused(tmp_path, capsys):
     root = tree(tmp_path, [bug("nowhere", "a / b", "a // b")])
     assert plant_bugs.main([str(tmp_path / "bugs.yaml"), "--root", str(root)]) == 2
     assert "nowhere" in capsys.readouterr().out
+
+
+def test_every_listed_bug_still_finds_its_text_once():
+    """The lists under tests/planted name texts of the code; a change of that code leaves an
+    entry that can no longer be planted (plant_bugs then stops with exit 2): each `old` must
+    occur exactly once in its file, as `plant` requires."""
+    root = Path(__file__).resolve().parents[2]
+    stale = []
+    for path in sorted((root / "tests" / "planted").glob("*.yaml")):
+        for entry in plant_bugs.load(path):
+            found = (root / entry["file"]).read_text().count(entry["old"])
+            if found != 1:
+                stale.append(f"{path.name}: {entry['name']!r} ({entry['file']}: {found} times)")
+    assert not stale, "stale planted bugs, update their old text:\n" + "\n".join(stale)
