@@ -17,7 +17,12 @@ sys.path[:0] = [
 
 from run_helpers import train_here  # noqa: E402
 
-torch.set_num_threads(2)
+# One thread per process, here and in every launch the tests make (they inherit os.environ): at
+# the tests' tiny widths a second OpenMP thread buys nothing, and on a shared 2-core machine its
+# spin-waiting doubled the CPU time of a launched run (tests/e2e/test_main's two runs: 54 -> 26
+# CPU s). torchrun already gives each rank one; a test that wants more sets it itself.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # Dataset index caches of test runs (and their launcher subprocesses) stay out of ~/.cache.
 os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
