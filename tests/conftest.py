@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +24,11 @@ from run_helpers import train_here  # noqa: E402
 # CPU s). torchrun already gives each rank one; a test that wants more sets it itself.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# The Ctrl-C tests send SIGINT to the runs they launch; a pytest started where SIGINT is ignored
+# (a background job of a shell without job control: `(pytest &)`) would pass that on to them, as
+# exec keeps an ignored signal ignored. A handler of our own is reset to the default on exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # Dataset index caches of test runs (and their launcher subprocesses) stay out of ~/.cache.
 os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
