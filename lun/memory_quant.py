@@ -204,20 +204,23 @@ def swap_option(plan: MemoryPlan, model: torch.nn.Module, size_of) -> list[dict]
     return [{"name": "block swap", "how": how, "saves": {DEVICE: saves}, "blocks_to_swap": count}]
 
 
-def quantization_state_bytes(module: torch.nn.Module) -> int:
-    """Bytes bitsandbytes keeps outside parameters and buffers: nf4's quantization state
+def quantization_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The tensors bitsandbytes keeps outside parameters and buffers: nf4's quantization state
     (absmax, the second level, the maps). (int8's row scales are a buffer of their layer,
     `ldm.quantize`, counted with the frozen parts.)"""
-    total = 0
+    tensors = []
     for layer in module.modules():
-        weight = getattr(layer, "weight", None)
-        state = getattr(weight, "quant_state", None)
+        state = getattr(getattr(layer, "weight", None), "quant_state", None)
         if state is not None:
-            tensors = [state.absmax, state.code]
+            tensors += [state.absmax, state.code]
             if getattr(state, "nested", False):
                 tensors += [state.state2.absmax, state.state2.code, state.offset]
-            total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+    return tensors
+
+
+def quantization_state_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `quantization_state_tensors`."""
+    return sum(t.numel() * t.element_size() for t in quantization_state_tensors(module))
 
 
 def quantization_state_part(model: torch.nn.Module) -> list[Part]:

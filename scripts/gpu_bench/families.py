@@ -218,14 +218,9 @@ def held_bytes(model, optimizer, device) -> int:
     if device.type != "cpu":
         return torch.cuda.memory_allocated(device)
     from ldm.block_swap import swaps_in
+    from lun.memory_quant import quantization_state_tensors
 
-    tensors = [*model.parameters(), *model.buffers()]
-    for p in model.parameters():
-        state = getattr(p, "quant_state", None)
-        if state is not None:
-            tensors += [state.absmax, state.code]
-            if getattr(state, "nested", False):
-                tensors += [state.state2.absmax, state.state2.code, state.offset]
+    tensors = [*model.parameters(), *model.buffers(), *quantization_state_tensors(model)]
     tensors += [t for swap in swaps_in(model) for block in swap.host_tensors() for t in block]
     tensors += [v for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
     storages = {}
