@@ -208,10 +208,12 @@ def quantization_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """The tensors bitsandbytes keeps outside parameters and buffers: nf4's quantization state
     (absmax, the second level, the maps). (int8's row scales are a buffer of their layer,
     `ldm.quantize`, counted with the frozen parts.)"""
-    tensors = []
+    tensors, seen = [], set()
     for layer in module.modules():
         state = getattr(getattr(layer, "weight", None), "quant_state", None)
-        if state is not None:
+        # once per state: a peft LoRA layer's `weight` is its base layer's, the same state
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
             tensors += [state.absmax, state.code]
             if getattr(state, "nested", False):
                 tensors += [state.state2.absmax, state.state2.code, state.offset]

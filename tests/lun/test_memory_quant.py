@@ -271,3 +271,27 @@ def test_full_size_flux_nf4_with_swap_counts_the_rounded_pinned_copies(monkeypat
     assert "PYTORCH_ALLOC_CONF=pinned_max_round_threshold_mb:1" in part.detail
     plan_cpu = counts_plan(flux_dev(), "nf4", blocks_to_swap=20, device="cpu")
     assert {p.name: p.nbytes for p in plan_cpu.parts}["frozen: swapped blocks"] == sum(tensors)
+
+
+def test_nf4_state_under_a_lora_adapter_is_counted_once():
+    """peft's LoRA layer answers `.weight` with its base layer's weight: the nf4 state of an
+    adapted layer is reachable from two modules and must count once, as the allocator holds it
+    (the distinct storages of every Linear4bit's state)."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from ldm.quantize import quantize_frozen
+
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["0"]), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    quantize_frozen(model, "nf4", torch.float32)
+    storages = {}
+    for layer in model.modules():
+        if type(layer).__name__ == "Linear4bit":
+            state = layer.weight.quant_state
+            for t in (state.absmax, state.code, state.state2.absmax, state.state2.code):
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            storages[id(state.offset)] = state.offset.numel() * state.offset.element_size()
+    assert quantization_state_bytes(model) == sum(storages.values())
