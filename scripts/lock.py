@@ -2,6 +2,7 @@
 
     make lock                      # = python scripts/lock.py --torch "torch==2.13.0"
     python scripts/lock.py --torch "torch==2.13.0" --venv .venv-lock --keep-venv
+    python scripts/lock.py --hold transformers==5.23.0   # every other package moves
 
 Steps: a fresh venv (`--venv`), torch first (`--torch`, as `make setup` does), then the
 requirements files with no constraints (so pip takes the newest releases their ranges allow),
@@ -9,6 +10,11 @@ then `pip freeze` into a candidate lock and the lint + the whole test suite in t
 the candidate replaces requirements-lock.txt and the packages that moved are listed. Red: the lock
 is left as it was, the candidate is kept as requirements-lock.next.txt, and the packages that
 moved are printed, since one of them broke the suite.
+
+`--hold NAME==VERSION` keeps a package where it is while the rest move: for a release known to
+break the suite upstream (say a transformers that needs a peft not yet on PyPI), so that one bad
+release does not also hold back every other package. The held pins are passed to pip as
+constraints and end up in the lock like any other pin.
 """
 
 import argparse
@@ -79,17 +85,32 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--no-tests", action="store_true", help="resolve and write the candidate only"
     )
+    parser.add_argument(
+        "--hold",
+        action="append",
+        default=[],
+        metavar="NAME==VERSION",
+        help="keep this package at this version (repeatable)",
+    )
     args = parser.parse_args(argv)
+    bad = [spec for spec in args.hold if "==" not in spec]
+    if bad:
+        parser.error(f"--hold {bad[0]}: give an exact pin, NAME==VERSION")
 
     env_dir = ROOT / args.venv
     shutil.rmtree(env_dir, ignore_errors=True)
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
     pip = [py, "-m", "pip", "install", "-q"]
+    held = []
+    if args.hold:
+        constraints = env_dir / "held.txt"
+        constraints.write_text("\n".join(args.hold) + "\n")
+        held = ["-c", str(constraints)]
     steps = [
         pip + ["--upgrade", "pip", "setuptools"],
         pip + [args.torch],
-        pip + sum((["-r", f] for f in REQUIREMENTS), []),
+        pip + held + sum((["-r", f] for f in REQUIREMENTS), []),
         pip + ["--no-deps"] + sum((["-r", f] for f in NO_DEPS), []),
         pip + ["--no-deps", "--no-build-isolation", "-e", "."],
     ]
@@ -103,6 +124,8 @@ def main(argv=None) -> int:
     print("packages that moved:" if changes else "no package moved")
     for line in changes:
         print("  " + line)
+    for spec in args.hold:
+        print(f"  held: {spec}")
     if args.no_tests:
         print(f"lock: candidate written to {NEXT.name} (not tested)")
         return 0
