@@ -69,6 +69,30 @@ def lock_text(freeze: str) -> str:
     return "\n".join(header + body) + "\n"
 
 
+def not_held(hold: list[str], pins: dict[str, str]) -> list[str]:
+    """The `--hold` specs the resolved pins do not show: a misspelt name constrains nothing."""
+    return [
+        spec
+        for spec in hold
+        if pins.get(normalise(spec.split("==", 1)[0])) != spec.split("==", 1)[1].strip()
+    ]
+
+
+def install_steps(py: str, torch_spec: str, held: Path | None = None) -> list[list[str]]:
+    """The pip commands of a fresh environment, as `make setup` runs them but with no lock: torch
+    on its own, then the requirements at their newest (only the `held` constraints file, if any,
+    keeps packages back), then the no-deps files and the project."""
+    pip = [py, "-m", "pip", "install", "-q"]
+    constraints = ["-c", str(held)] if held else []
+    return [
+        pip + ["--upgrade", "pip", "setuptools"],
+        pip + [torch_spec],
+        pip + constraints + sum((["-r", f] for f in REQUIREMENTS), []),
+        pip + ["--no-deps"] + sum((["-r", f] for f in NO_DEPS), []),
+        pip + ["--no-deps", "--no-build-isolation", "-e", "."],
+    ]
+
+
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     print("+", " ".join(cmd), flush=True)
     return subprocess.run(cmd, cwd=ROOT, **kwargs)
@@ -101,19 +125,11 @@ def main(argv=None) -> int:
     shutil.rmtree(env_dir, ignore_errors=True)
     venv.create(env_dir, with_pip=True)
     py = str(env_dir / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "-q"]
-    held = []
+    held = None
     if args.hold:
-        constraints = env_dir / "held.txt"
-        constraints.write_text("\n".join(args.hold) + "\n")
-        held = ["-c", str(constraints)]
-    steps = [
-        pip + ["--upgrade", "pip", "setuptools"],
-        pip + [args.torch],
-        pip + held + sum((["-r", f] for f in REQUIREMENTS), []),
-        pip + ["--no-deps"] + sum((["-r", f] for f in NO_DEPS), []),
-        pip + ["--no-deps", "--no-build-isolation", "-e", "."],
-    ]
+        held = env_dir / "held.txt"
+        held.write_text("\n".join(args.hold) + "\n")
+    steps = install_steps(py, args.torch, held)
     for step in steps:
         if run(step).returncode:
             print("lock: installing failed (above); requirements-lock.txt unchanged")
@@ -124,6 +140,10 @@ def main(argv=None) -> int:
     print("packages that moved:" if changes else "no package moved")
     for line in changes:
         print("  " + line)
+    unheld = not_held(args.hold, read_pins(NEXT))
+    if unheld:
+        print(f"lock: --hold {unheld[0]}: no such pin in the candidate (is the name right?)")
+        return 2
     for spec in args.hold:
         print(f"  held: {spec}")
     if args.no_tests:

@@ -89,3 +89,25 @@ def test_lock_text_keeps_the_header_and_drops_torch_and_the_project():
     lines = text.splitlines()
     assert lines[0].startswith("#")
     assert [line for line in lines if not line.startswith("#")] == ["abc==2", "Zlib-x==1.0"]
+
+
+def test_held_pins_constrain_the_requirements_and_nothing_else(tmp_path):
+    held = tmp_path / "held.txt"
+    steps = lock.install_steps("py", "torch==2.13.0", held)
+    constrained = [step for step in steps if str(held) in step]
+    assert len(constrained) == 1 and "requirements.txt" in constrained[0]
+    assert constrained[0][constrained[0].index(str(held)) - 1] == "-c"
+    assert not any(str(held) in " ".join(step) for step in lock.install_steps("py", "t", None))
+
+
+def test_a_hold_that_is_not_a_pin_or_not_in_the_result_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        lock.main(["--hold", "transformers"])
+    assert exit_info.value.code == 2
+    assert "--hold transformers: give an exact pin" in capsys.readouterr().err
+    pins = {"transformers": "5.23.0", "peft": "0.21.2"}
+    assert lock.not_held(["Transformers==5.23.0"], pins) == []
+    assert lock.not_held(["tranformers==5.23.0", "peft==0.22.0"], pins) == [
+        "tranformers==5.23.0",
+        "peft==0.22.0",
+    ]
