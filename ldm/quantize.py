@@ -17,6 +17,7 @@ training-time form of the base, made at fit start (`ldm.lora.hold_base_for_train
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -173,6 +174,19 @@ class Fp8Conv2d(Fp8Storage):
         return _Fp8Op.apply(x.to(dtype), self.weight, self._scales_here(), bias, dtype, conv)
 
 
+def _bind(layer: nn.Module, **methods) -> None:
+    """Our `methods` in place of bitsandbytes' on this one layer, which stays a Linear8bitLt /
+    Linear4bit by type: peft wraps a base layer by `isinstance` (its bnb dispatch) and by class
+    name (DoRA's `Linear4bit` check), and `_kind_of`, the memory plan and the tools find the
+    format by the class name. Each a `functools.partial` of a module-level function and the
+    layer, not a `types.MethodType`, which pickle reduces to `getattr(layer, function name)`,
+    an attribute the layer lacks (`pickle.dumps`, `torch.save(model)` and Lightning's
+    ddp_spawn failed): pickle and deepcopy rebuild a partial from the function's name and the
+    layer through their memo, so that a copy's forward runs on the copy's tensors."""
+    for name, function in methods.items():
+        setattr(layer, name, functools.partial(function, layer))
+
+
 def _int8_weight(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W = CB * SCB / 127 in `dtype` (LLM.int8's row-wise absmax scale), in bitsandbytes' own
     expression (autograd/_functions.py, MatMul8bitFp's forward and both backwards), so that our
@@ -233,8 +247,6 @@ def _int8_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    import types
-
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear8bitLt(
@@ -264,9 +276,12 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -
     layer.register_buffer("row_scales", scales.view(torch.int32), persistent=False)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.forward = types.MethodType(_int8_forward, layer)  # still a Linear8bitLt, by type
-    layer._save_to_state_dict = types.MethodType(_int8_save, layer)
-    layer._load_from_state_dict = types.MethodType(_int8_load, layer)
+    _bind(
+        layer,
+        forward=_int8_forward,
+        _save_to_state_dict=_int8_save,
+        _load_from_state_dict=_int8_load,
+    )
     return layer
 
 
@@ -343,8 +358,6 @@ def _nf4_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    import types
-
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear4bit(
@@ -376,7 +389,7 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) ->
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.forward = types.MethodType(_nf4_forward, layer)  # still a Linear4bit, by type
+    _bind(layer, forward=_nf4_forward)
     return layer
 
 
