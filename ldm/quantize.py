@@ -189,8 +189,10 @@ def _bind(layer: nn.Module, **methods) -> None:
 
 def _int8_weight(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W = CB * SCB / 127 in `dtype` (LLM.int8's row-wise absmax scale), in bitsandbytes' own
-    expression (autograd/_functions.py, MatMul8bitFp's forward and both backwards), so that our
-    forward and backward give its values to the bit."""
+    expression, CB * (SCB * (1/127)) (autograd/_functions.py, MatMul8bitFp's forward and both
+    backwards), so that our forward and backward give its values to the bit; and `dequantize`
+    (what checkpoints hold) the weight they compute with: (CB * SCB) / 127 differs in the last
+    bit of about a quarter of the values."""
     return rows.to(dtype, copy=True).mul_(scales.unsqueeze(1).mul(1.0 / 127.0))
 
 
@@ -476,9 +478,9 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         state = weight.quant_state  # not swapped: it stays where the layer is
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
-    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
+    # int8: the weight the forward and backward compute with, to the bit (`_int8_weight`)
     weight, scales = stored(layer, "weight"), int8_scales(layer)  # block swap: the host copies
-    return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
+    return _int8_weight(weight.data, scales.float(), torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:
