@@ -522,17 +522,19 @@ def counts_plan(
 
 def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, MemoryPlan]:
     """The first setting that fits `budget`: each format of ORDER without swap, then each of
-    SWAPPABLE (fp8, int8, nf4) with the fewest swapped blocks that fit. MemoryPlanError (the options) when none does."""
+    SWAPPABLE (fp8, int8, nf4) with the fewest swapped blocks that fit, up to every block (as
+    `_plan_swap` and `ldm.block_swap` allow). MemoryPlanError (each format unswapped and with
+    every block swapped) when none does."""
     depth = sum(b.count for b in counts.blocks)
     tried = []
     for kind, swap in [
         *((k, 0) for k in ORDER),
-        *((k, n) for k in SWAPPABLE for n in range(1, depth)),
+        *((k, n) for k in SWAPPABLE for n in range(1, depth + 1)),
     ]:
         plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
         if plan.peak(DEVICE) <= budget:
             return kind, swap, plan
-        if swap in (0, depth - 1):
+        if swap in (0, depth):
             tried.append(
                 f"{kind}{f' + {swap} blocks swapped' if swap else ''} {_gib(plan.peak(DEVICE))}"
             )

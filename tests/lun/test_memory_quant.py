@@ -2,6 +2,8 @@
 tensors bitsandbytes / ldm.quantize really allocate, block swap's staging against the profiler's
 peak, Flux.1-dev's parameter count against the published one, and the choice it makes."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -93,6 +95,21 @@ def test_flux_dev_goals_fp8_under_22_and_nf4_with_swap_under_16_gib():
 def test_a_budget_nothing_fits_is_refused_with_the_options():
     with pytest.raises(MemoryPlanError, match=r"Flux.1-dev LoRA does not fit 2.00 GiB: none "):
         choose(flux_dev(), 2 * GiB)
+
+
+def test_swapping_every_block_is_tried_and_named_in_the_refusal():
+    """Block swap may hold every block in host RAM (`ldm.block_swap`, `_plan_swap`): a budget
+    only nf4 with all 57 of Flux's blocks swapped fits is that choice, and a budget under it
+    names that figure among the options."""
+    depth = 19 + 38
+    every = counts_plan(flux_dev(), "nf4", blocks_to_swap=depth).peak(DEVICE)
+    assert counts_plan(flux_dev(), "nf4", blocks_to_swap=depth - 1).peak(DEVICE) > every
+    assert counts_plan(flux_dev(), "fp8", blocks_to_swap=depth).peak(DEVICE) > every
+    kind, swap, plan = choose(flux_dev(), every)
+    assert (kind, swap, plan.peak(DEVICE)) == ("nf4", depth, every)
+    figure = f"nf4 + {depth} blocks swapped {every / GiB:.2f} GiB"
+    with pytest.raises(MemoryPlanError, match=re.escape(figure)):
+        choose(flux_dev(), every - 1)
 
 
 def test_main_prints_the_one_line(capsys):
