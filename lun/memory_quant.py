@@ -9,7 +9,8 @@ Bytes per frozen weight (the formats of `ldm.quantize`):
     int8   1 B + one fp32 scale per output row (bitsandbytes' SCB)
     nf4    0.5 B + one uint8 absmax per block of 64 (double quantization) + one fp32 absmax per
            256 of those + the 8-bit map of that second level (256 fp32) + the 16 NF4 levels
-           (fp32) per layer
+           (fp32) + the absmax values' mean, subtracted before their quantization (one fp32:
+           bitsandbytes' `QuantState.offset`) per layer
 
 Block swap keeps the swapped blocks in host RAM and `resident` of them on the device at once.
 On an accelerator their host copies are pinned, one allocation per tensor, and torch's caching
@@ -50,7 +51,8 @@ def weight_bytes(rows: int, cols: int, kind: str, dtype_size: int = 2) -> int:
         return n + 4 * rows
     if kind == "nf4":
         blocks = math.ceil(n / NF4_BLOCK)
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4 * 16
+        second_level = 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4  # absmax, map, offset
+        return math.ceil(n / 2) + blocks + second_level + 4 * 16
     raise ValueError(f"unknown quantization {kind!r}")
 
 

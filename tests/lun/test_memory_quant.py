@@ -55,6 +55,23 @@ def test_planned_base_bytes_are_the_allocated_ones_within_10_percent(kind):
     assert planned == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
+@pytest.mark.parametrize("shape", [(64, 64), (96, 320), (40, 1000)])
+def test_one_layers_planned_bytes_are_its_tensors_to_the_byte(kind, shape):
+    """`weight_bytes` of one quantized Linear against every tensor it holds (nf4: its whole
+    quantization state, down to the double quantization's offset): `base_quantization: auto`
+    compares these estimates with the budget, and one byte over must not read as a fit."""
+    if kind != "fp8":
+        pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantized_layer
+    from lun.memory_quant import weight_bytes
+
+    rows, cols = shape
+    linear = nn.Linear(cols, rows, bias=False).requires_grad_(False)
+    layer = quantized_layer(linear, kind, torch.float32)
+    assert held_bytes(layer) == weight_bytes(rows, cols, kind)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_block_swap_staging_is_the_profiled_peak(kind):
     from ldm.block_swap import BlockSwap
