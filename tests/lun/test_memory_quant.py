@@ -167,6 +167,38 @@ def test_auto_takes_the_first_format_whose_plan_fits(tiny_config):
     assert tight.peak(HOST) <= roomy.peak(HOST) - 2**10
 
 
+def test_where_fp8_does_not_run_the_swapped_fallback_takes_int8(monkeypatch):
+    """`base_quantization: auto` with `blocks_to_swap: auto` on a device where no format fits
+    unswapped and fp8 does not run: int8 is the first of SWAPPABLE that does, with the fewest
+    blocks swapped that fit (each planned on its own model, as
+    tests/lun/test_memory_swap_auto.py finds `choose`'s order)."""
+    pytest.importorskip("bitsandbytes")
+    from test_memory_swap_auto import FORMATS, SWAPPABLE, peak_with, resolve, tiny_lora
+
+    from ldm import quantize
+    from ldm.block_swap import blocks_of
+
+    def unsupported(kind, device):
+        return "fp8 does not run here" if kind == "fp8" else None
+
+    monkeypatch.setattr(quantize, "unsupported", unsupported)
+    runs = [k for k in FORMATS if k != "fp8"]
+    models = {k: tiny_lora(f"{{rank: 2, base_quantization: {k}}}") for k in runs}
+    depth = len(blocks_of(models["none"].model))
+    peaks = {(k, n): peak_with(models[k], n) for k in runs for n in range(depth + 1)}
+    budget = min(peaks[k, 0] for k in runs) - 1  # no format fits unswapped
+    order = [(k, 0) for k in runs] + [
+        (k, n) for k in SWAPPABLE if k in runs for n in range(1, depth + 1)
+    ]
+    expected = next((k, n) for k, n in order if peaks[k, n] <= budget)
+    assert expected[0] == "int8" and expected[1] > 0  # the case this test is about
+    model, plan = resolve("{rank: 2, base_quantization: auto, blocks_to_swap: auto}", budget)
+    chosen = (model.lora_settings.base_quantization, model.lora_settings.blocks_to_swap)
+    assert chosen == expected
+    assert plan.peak(DEVICE) == peaks[expected]
+    assert type(next(iter(quantize.quantized_layers(model).values()))).__name__ == "Linear8bitLt"
+
+
 @pytest.mark.parametrize("kind", ["none", "fp8"])
 def test_the_plan_counts_the_blocks_a_real_flux_quantizes(kind):
     """The plan from parameter counts against a real Flux at reduced width and depth (1 double
