@@ -17,6 +17,7 @@ training-time form of the base, made at fit start (`ldm.lora.hold_base_for_train
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -173,10 +174,25 @@ class Fp8Conv2d(Fp8Storage):
         return _Fp8Op.apply(x.to(dtype), self.weight, self._scales_here(), bias, dtype, conv)
 
 
+def _bind(layer: nn.Module, **methods) -> None:
+    """Our `methods` in place of bitsandbytes' on this one layer, which stays a Linear8bitLt /
+    Linear4bit by type: peft wraps a base layer by `isinstance` (its bnb dispatch) and by class
+    name (DoRA's `Linear4bit` check), and `_kind_of`, the memory plan and the tools find the
+    format by the class name. Each a `functools.partial` of a module-level function and the
+    layer, not a `types.MethodType`, which pickle reduces to `getattr(layer, function name)`,
+    an attribute the layer lacks (`pickle.dumps`, `torch.save(model)` and Lightning's
+    ddp_spawn failed): pickle and deepcopy rebuild a partial from the function's name and the
+    layer through their memo, so that a copy's forward runs on the copy's tensors."""
+    for name, function in methods.items():
+        setattr(layer, name, functools.partial(function, layer))
+
+
 def _int8_weight(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """W = CB * SCB / 127 in `dtype` (LLM.int8's row-wise absmax scale), in bitsandbytes' own
-    expression (autograd/_functions.py, MatMul8bitFp's forward and both backwards), so that our
-    forward and backward give its values to the bit."""
+    expression, CB * (SCB * (1/127)) (autograd/_functions.py, MatMul8bitFp's forward and both
+    backwards), so that our forward and backward give its values to the bit; and `dequantize`
+    (what checkpoints hold) the weight they compute with: (CB * SCB) / 127 differs in the last
+    bit of about a quarter of the values."""
     return rows.to(dtype, copy=True).mul_(scales.unsqueeze(1).mul(1.0 / 127.0))
 
 
@@ -233,8 +249,6 @@ def _int8_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    import types
-
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear8bitLt(
@@ -264,9 +278,12 @@ def _int8(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -
     layer.register_buffer("row_scales", scales.view(torch.int32), persistent=False)
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.forward = types.MethodType(_int8_forward, layer)  # still a Linear8bitLt, by type
-    layer._save_to_state_dict = types.MethodType(_int8_save, layer)
-    layer._load_from_state_dict = types.MethodType(_int8_load, layer)
+    _bind(
+        layer,
+        forward=_int8_forward,
+        _save_to_state_dict=_int8_save,
+        _load_from_state_dict=_int8_load,
+    )
     return layer
 
 
@@ -343,8 +360,6 @@ def _nf4_forward(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) -> nn.Module:
-    import types
-
     import bitsandbytes as bnb
 
     layer = bnb.nn.Linear4bit(
@@ -376,7 +391,7 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) ->
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    layer.forward = types.MethodType(_nf4_forward, layer)  # still a Linear4bit, by type
+    _bind(layer, forward=_nf4_forward)
     return layer
 
 
@@ -463,9 +478,9 @@ def dequantize(layer: nn.Module) -> torch.Tensor:
         state = weight.quant_state  # not swapped: it stays where the layer is
         bits = stored(layer, "weight").data.to(state.absmax.device)
         return bnb.functional.dequantize_4bit(bits, state).to(layer.compute_dtype)
-    # int8: row i is CB[i] * SCB[i] / 127 (LLM.int8's vector-wise scale)
+    # int8: the weight the forward and backward compute with, to the bit (`_int8_weight`)
     weight, scales = stored(layer, "weight"), int8_scales(layer)  # block swap: the host copies
-    return (weight.data.float() * scales.float()[:, None] / 127).to(torch.float32)
+    return _int8_weight(weight.data, scales.float(), torch.float32)
 
 
 def int8_scales(layer: nn.Module) -> torch.Tensor | None:

@@ -9,7 +9,8 @@ Bytes per frozen weight (the formats of `ldm.quantize`):
     int8   1 B + one fp32 scale per output row (bitsandbytes' SCB)
     nf4    0.5 B + one uint8 absmax per block of 64 (double quantization) + one fp32 absmax per
            256 of those + the 8-bit map of that second level (256 fp32) + the 16 NF4 levels
-           (fp32) per layer
+           (fp32) + the absmax values' mean, subtracted before their quantization (one fp32:
+           bitsandbytes' `QuantState.offset`) per layer
 
 Block swap keeps the swapped blocks in host RAM and `resident` of them on the device at once.
 On an accelerator their host copies are pinned, one allocation per tensor, and torch's caching
@@ -50,7 +51,8 @@ def weight_bytes(rows: int, cols: int, kind: str, dtype_size: int = 2) -> int:
         return n + 4 * rows
     if kind == "nf4":
         blocks = math.ceil(n / NF4_BLOCK)
-        return math.ceil(n / 2) + blocks + 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4 * 16
+        second_level = 4 * math.ceil(blocks / DQ_BLOCK) + 4 * 256 + 4  # absmax, map, offset
+        return math.ceil(n / 2) + blocks + second_level + 4 * 16
     raise ValueError(f"unknown quantization {kind!r}")
 
 
@@ -522,17 +524,19 @@ def counts_plan(
 
 def choose(counts: ModelCounts, budget: int, **settings) -> tuple[str, int, MemoryPlan]:
     """The first setting that fits `budget`: each format of ORDER without swap, then each of
-    SWAPPABLE (fp8, int8, nf4) with the fewest swapped blocks that fit. MemoryPlanError (the options) when none does."""
+    SWAPPABLE (fp8, int8, nf4) with the fewest swapped blocks that fit, up to every block (as
+    `_plan_swap` and `ldm.block_swap` allow). MemoryPlanError (each format unswapped and with
+    every block swapped) when none does."""
     depth = sum(b.count for b in counts.blocks)
     tried = []
     for kind, swap in [
         *((k, 0) for k in ORDER),
-        *((k, n) for k in SWAPPABLE for n in range(1, depth)),
+        *((k, n) for k in SWAPPABLE for n in range(1, depth + 1)),
     ]:
         plan = counts_plan(counts, kind, blocks_to_swap=swap, device_budget=budget, **settings)
         if plan.peak(DEVICE) <= budget:
             return kind, swap, plan
-        if swap in (0, depth - 1):
+        if swap in (0, depth):
             tried.append(
                 f"{kind}{f' + {swap} blocks swapped' if swap else ''} {_gib(plan.peak(DEVICE))}"
             )

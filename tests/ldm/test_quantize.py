@@ -280,6 +280,23 @@ def test_dequantize_gives_the_weight_within_its_format_bound(kind):
     assert ((got - w).abs() <= bound * 1.001 + 1e-7).all()
 
 
+def test_int8_dequantize_is_the_weight_its_forward_and_backward_compute_with():
+    """What a checkpoint holds of an int8 layer is the weight it trained with, to the bit: read
+    from the layer's own passes (no bias, training on the CPU: bitsandbytes' dequantizing path),
+    x = I gives I W^T and a gradient of I gives I W, each product exact."""
+    pytest.importorskip("bitsandbytes")
+    layer, _ = layer_and_input(seed=3)
+    layer.bias = None
+    quantized = quantize.quantized_layer(layer, "int8", torch.float32).train()
+    eye = torch.eye(layer.in_features, requires_grad=True)
+    out = quantized(eye)
+    out.backward(torch.eye(layer.in_features, layer.out_features))  # grad x row i: W row i
+    got = quantize.dequantize(quantized)
+    assert torch.equal(got, out.detach().t())
+    assert torch.equal(got, eye.grad[: layer.out_features])
+    assert got.unique().numel() > 1000  # random rows of many scales, not a few round values
+
+
 def fp8_and_dequantized_twins(kind, dtype):
     """A LoRA on an fp8 base layer and the same LoRA on a plain layer holding that base's
     dequantized weight (the reference: what autograd does with a full-precision weight)."""

@@ -2,6 +2,8 @@
 tensors bitsandbytes / ldm.quantize really allocate, block swap's staging against the profiler's
 peak, Flux.1-dev's parameter count against the published one, and the choice it makes."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -53,6 +55,23 @@ def test_planned_base_bytes_are_the_allocated_ones_within_10_percent(kind):
     assert planned == pytest.approx(measured, rel=0.10)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
+@pytest.mark.parametrize("shape", [(64, 64), (96, 320), (40, 1000)])
+def test_one_layers_planned_bytes_are_its_tensors_to_the_byte(kind, shape):
+    """`weight_bytes` of one quantized Linear against every tensor it holds (nf4: its whole
+    quantization state, down to the double quantization's offset): `base_quantization: auto`
+    compares these estimates with the budget, and one byte over must not read as a fit."""
+    if kind != "fp8":
+        pytest.importorskip("bitsandbytes")
+    from ldm.quantize import quantized_layer
+    from lun.memory_quant import weight_bytes
+
+    rows, cols = shape
+    linear = nn.Linear(cols, rows, bias=False).requires_grad_(False)
+    layer = quantized_layer(linear, kind, torch.float32)
+    assert held_bytes(layer) == weight_bytes(rows, cols, kind)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
 def test_block_swap_staging_is_the_profiled_peak(kind):
     from ldm.block_swap import BlockSwap
@@ -95,6 +114,21 @@ def test_a_budget_nothing_fits_is_refused_with_the_options():
         choose(flux_dev(), 2 * GiB)
 
 
+def test_swapping_every_block_is_tried_and_named_in_the_refusal():
+    """Block swap may hold every block in host RAM (`ldm.block_swap`, `_plan_swap`): a budget
+    only nf4 with all 57 of Flux's blocks swapped fits is that choice, and a budget under it
+    names that figure among the options."""
+    depth = 19 + 38
+    every = counts_plan(flux_dev(), "nf4", blocks_to_swap=depth).peak(DEVICE)
+    assert counts_plan(flux_dev(), "nf4", blocks_to_swap=depth - 1).peak(DEVICE) > every
+    assert counts_plan(flux_dev(), "fp8", blocks_to_swap=depth).peak(DEVICE) > every
+    kind, swap, plan = choose(flux_dev(), every)
+    assert (kind, swap, plan.peak(DEVICE)) == ("nf4", depth, every)
+    figure = f"nf4 + {depth} blocks swapped {every / GiB:.2f} GiB"
+    with pytest.raises(MemoryPlanError, match=re.escape(figure)):
+        choose(flux_dev(), every - 1)
+
+
 def test_main_prints_the_one_line(capsys):
     from lun.memory_quant import main
 
@@ -131,6 +165,38 @@ def test_auto_takes_the_first_format_whose_plan_fits(tiny_config):
     model, tight = plan_for(roomy.peak(HOST) - 2**10)
     assert model.lora_settings.base_quantization == "fp8" and quantize.is_quantized(model)
     assert tight.peak(HOST) <= roomy.peak(HOST) - 2**10
+
+
+def test_where_fp8_does_not_run_the_swapped_fallback_takes_int8(monkeypatch):
+    """`base_quantization: auto` with `blocks_to_swap: auto` on a device where no format fits
+    unswapped and fp8 does not run: int8 is the first of SWAPPABLE that does, with the fewest
+    blocks swapped that fit (each planned on its own model, as
+    tests/lun/test_memory_swap_auto.py finds `choose`'s order)."""
+    pytest.importorskip("bitsandbytes")
+    from test_memory_swap_auto import FORMATS, SWAPPABLE, peak_with, resolve, tiny_lora
+
+    from ldm import quantize
+    from ldm.block_swap import blocks_of
+
+    def unsupported(kind, device):
+        return "fp8 does not run here" if kind == "fp8" else None
+
+    monkeypatch.setattr(quantize, "unsupported", unsupported)
+    runs = [k for k in FORMATS if k != "fp8"]
+    models = {k: tiny_lora(f"{{rank: 2, base_quantization: {k}}}") for k in runs}
+    depth = len(blocks_of(models["none"].model))
+    peaks = {(k, n): peak_with(models[k], n) for k in runs for n in range(depth + 1)}
+    budget = min(peaks[k, 0] for k in runs) - 1  # no format fits unswapped
+    order = [(k, 0) for k in runs] + [
+        (k, n) for k in SWAPPABLE if k in runs for n in range(1, depth + 1)
+    ]
+    expected = next((k, n) for k, n in order if peaks[k, n] <= budget)
+    assert expected[0] == "int8" and expected[1] > 0  # the case this test is about
+    model, plan = resolve("{rank: 2, base_quantization: auto, blocks_to_swap: auto}", budget)
+    chosen = (model.lora_settings.base_quantization, model.lora_settings.blocks_to_swap)
+    assert chosen == expected
+    assert plan.peak(DEVICE) == peaks[expected]
+    assert type(next(iter(quantize.quantized_layers(model).values()))).__name__ == "Linear8bitLt"
 
 
 @pytest.mark.parametrize("kind", ["none", "fp8"])
