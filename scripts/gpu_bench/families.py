@@ -341,6 +341,11 @@ class PeakMemory(pl.Callback):
     def __init__(self, out: str):
         self.out = out
 
+    def on_train_start(self, trainer, pl_module):
+        # the fit's own peak: not the memory plan's probe step, nor the base's quantization
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
+
     def on_train_end(self, trainer, pl_module):
         device = pl_module.device
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
