@@ -23,6 +23,7 @@ from gpu_bench.measure import (
     peak_gib,
     python,
     reset_peak,
+    synchronize,
     tail,
 )
 from ldm.mmdit import SD35_MEDIUM_DUAL_ATTENTION_LAYERS
@@ -113,6 +114,7 @@ def against_diffusers(family, module, network, settings, what, args, s, device, 
     started = time.perf_counter()
     with torch.device(device):
         ours, theirs = module.build_models(device, network)
+    synchronize(device)  # the random init's kernels, queued
     built = time.perf_counter() - started
     _, latent, tokens = settings[0]
     with torch.no_grad():
@@ -281,6 +283,7 @@ def flux_plan_row(size: dict, kind: str, swap: int, device) -> dict:
     parts = {p.name: p.nbytes for p in plan.parts}
     started = time.perf_counter()
     model = flux_lora(size, kind, swap, device)
+    synchronize(device)  # the random init's and the quantization's kernels, queued
     built = time.perf_counter() - started
     adapters = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(adapters, lr=1e-4)
