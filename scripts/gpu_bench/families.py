@@ -15,7 +15,17 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from gpu_bench.measure import ROOT, attempt, median_rate, peak_gib, python, reset_peak, tail
+from gpu_bench.measure import (
+    ROOT,
+    attempt,
+    median_rate,
+    one_line,
+    peak_gib,
+    python,
+    reset_peak,
+    synchronize,
+    tail,
+)
 from ldm.mmdit import SD35_MEDIUM_DUAL_ATTENTION_LAYERS
 
 
@@ -60,6 +70,18 @@ MMDIT_TINY = dict(
 MMDIT_SETTINGS = {False: [(1, 128, 154), (4, 64, 154)], True: [(2, 8, 8)]}  # batch, latent, tokens
 
 
+def _one_setting(module, model, optimizer, network, setting, steps, warmup, dtype, device):
+    batch_size, latent, tokens = setting
+    batch = module.inputs(device, network, batch_size, latent, tokens)
+    reset_peak(device)
+
+    def step():
+        _train_step(module.forward, model, optimizer, batch, dtype)
+
+    rate = median_rate(step, device, batch_size, steps, warmup)
+    return {"img_s": rate, "peak_gib": peak_gib(device)}
+
+
 def one_side(module, model, network, settings, steps, warmup, device) -> list[dict]:
     """Per (batch, latent, tokens): img/s and the peak memory of the step (weights, fused AdamW
     state, gradients and activations: the same weights and state on both sides)."""
@@ -69,15 +91,18 @@ def one_side(module, model, network, settings, steps, warmup, device) -> list[di
     model.to(device).train()
     optimizer = build_optimizer(model.parameters(), lr=1e-5)
     found = []
-    for batch_size, latent, tokens in settings:
-        batch = module.inputs(device, network, batch_size, latent, tokens)
-        reset_peak(device)
-
-        def step(batch=batch):
-            _train_step(module.forward, model, optimizer, batch, dtype)
-
-        rate = median_rate(step, device, batch_size, steps, warmup)
-        found.append({"img_s": rate, "peak_gib": peak_gib(device)})
+    for setting in settings:
+        try:  # one setting failing (out of memory) leaves the others their figures
+            found.append(
+                _one_setting(
+                    module, model, optimizer, network, setting, steps, warmup, dtype, device
+                )
+            )
+        except Exception as err:  # noqa: BLE001 - its row says why
+            print(f"{setting} (batch, latent, tokens): failed: {one_line(err)}", flush=True)
+            found.append({"error": one_line(err)})
+        optimizer.zero_grad(set_to_none=True)  # a failed step's gradients
+        _free(device)  # its activations (after the except block: its traceback held them)
     return found  # the optimizer state is freed with this frame
 
 
@@ -89,6 +114,7 @@ def against_diffusers(family, module, network, settings, what, args, s, device, 
     started = time.perf_counter()
     with torch.device(device):
         ours, theirs = module.build_models(device, network)
+    synchronize(device)  # the random init's kernels, queued
     built = time.perf_counter() - started
     _, latent, tokens = settings[0]
     with torch.no_grad():
@@ -106,12 +132,13 @@ def against_diffusers(family, module, network, settings, what, args, s, device, 
     other = one_side(module, theirs, network, settings, steps, warmup, device)
     for (batch_size, latent, _), a, b in zip(settings, mine, other, strict=True):
         px = latent * 8
-        memory = a["peak_gib"] / b["peak_gib"] if a["peak_gib"] and b["peak_gib"] else None
+        both = "error" not in a and "error" not in b
+        memory = a["peak_gib"] / b["peak_gib"] if both and a["peak_gib"] and b["peak_gib"] else None
         emit(
             {
                 "row": f"{family}: ours, {what}, {px} px batch {batch_size}",
                 **a,
-                "vs_diffusers": a["img_s"] / b["img_s"],
+                "vs_diffusers": a["img_s"] / b["img_s"] if both else None,
                 "memory_vs_diffusers": memory,
                 "max_out_diff": gap,
                 "mean_abs_out": scale,
@@ -256,6 +283,7 @@ def flux_plan_row(size: dict, kind: str, swap: int, device) -> dict:
     parts = {p.name: p.nbytes for p in plan.parts}
     started = time.perf_counter()
     model = flux_lora(size, kind, swap, device)
+    synchronize(device)  # the random init's and the quantization's kernels, queued
     built = time.perf_counter() - started
     adapters = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(adapters, lr=1e-4)
@@ -315,6 +343,11 @@ class PeakMemory(pl.Callback):
 
     def __init__(self, out: str):
         self.out = out
+
+    def on_train_start(self, trainer, pl_module):
+        # the fit's own peak: not the memory plan's probe step, nor the base's quantization
+        if pl_module.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(pl_module.device)
 
     def on_train_end(self, trainer, pl_module):
         device = pl_module.device

@@ -2,6 +2,7 @@
 MFU, the median step rate, peak memory, and running a command (one row group, main.py, a script)
 with a time limit and one line when it fails."""
 
+import gc
 import os
 import signal
 import statistics
@@ -114,6 +115,10 @@ def median_rate(step, device, batch: int, steps: int, warmup: int) -> float:
 
 
 def reset_peak(device) -> None:
+    """Start a peak at what is live now. The previous row's garbage goes first: the blocks of a
+    model under block swap are a reference cycle (their forwards hold the swap, which holds
+    them) that only the cycle collector frees, and a peak starts from the memory still held."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -171,6 +176,10 @@ def python(cmd, timeout: float, on_line=None, new_session=False) -> str:
             if on_line:
                 on_line(line)
         process.wait()
+    except BaseException:
+        kill()  # reading its output failed: it must not go on holding the device
+        process.wait()
+        raise
     finally:
         watchdog.cancel()
     if killed.is_set():

@@ -20,6 +20,7 @@ from gpu_bench.measure import (
     TINY_VAE,
     attempt,
     median_rate,
+    one_line,
     python,
     synchronize,
     tail,
@@ -285,14 +286,21 @@ def rows_sampling(args, s, device, emit) -> None:
 
     # Both sides in fp32 weights under fp16 autocast on a GPU (the same treatment), fp32 on a CPU.
     cuda = device.type == "cuda"
-    with torch.no_grad(), torch.autocast(device.type, torch.float16, enabled=cuda):
-        rate_ours = median_rate(ours, device, 1, 3, 1)
-        rate_theirs = median_rate(theirs, device, 1, 3, 1)
+    found = {}
+    for name, sample in (("ours", ours), ("diffusers", theirs)):
+        try:  # one side failing leaves the other its figure
+            with torch.no_grad(), torch.autocast(device.type, torch.float16, enabled=cuda):
+                found[name] = {"s_per_img": 1 / median_rate(sample, device, 1, 3, 1)}
+        except Exception as err:  # noqa: BLE001 - its row says why
+            print(f"sampling, {name}: failed: {one_line(err)}", flush=True)
+            found[name] = {"error": one_line(err)}
+    mine, other = found["ours"], found["diffusers"]
+    both = "error" not in mine and "error" not in other
     emit(
         {
             "row": f"sampling {side} px, DPM++ 2M {steps} steps, CFG 7.5: ours",
-            "s_per_img": 1 / rate_ours,
-            "vs_diffusers": rate_ours / rate_theirs,
+            **mine,
+            "vs_diffusers": other["s_per_img"] / mine["s_per_img"] if both else None,
         }
     )
-    emit({"row": "sampling: diffusers", "s_per_img": 1 / rate_theirs})
+    emit({"row": "sampling: diffusers", **other})
