@@ -216,8 +216,11 @@ class _Int8Op(torch.autograd.Function):
         ctx.dtype, ctx.bias_dtype = x.dtype, None if bias is None else bias.dtype
         if dequantize:
             return F.linear(x, _int8_weight(rows, scales, x.dtype), bias)
+        # Row-major, as the CUDA kernel reads it by data pointer (backends/cuda/ops.py,
+        # `cint8_vector_quant`): a permuted input (SpatialTransformer's proj_in at batch 1)
+        # keeps its strides through the reshape and .to(), and would be read as other rows.
         quantized, x_scales, outliers = bnb.functional.int8_vectorwise_quant(
-            x.to(torch.float16), threshold=threshold
+            x.to(torch.float16).contiguous(), threshold=threshold
         )
         out, _ = torch.ops.bitsandbytes.int8_mixed_scaled_mm(
             x, quantized, rows, x_scales, scales, outliers, bias
@@ -316,7 +319,8 @@ def _int8_load(layer: nn.Module, *args) -> None:
 
 class _Nf4Op(torch.autograd.Function):
     """y = x W^T + b with W dequantized from the nf4 bits, in `dtype` (the layer's compute
-    dtype), as bitsandbytes' own forward computes it. Used instead of bitsandbytes' MatMul4Bit,
+    dtype): bitsandbytes' own forward on the CPU, to the bit; on CUDA bitsandbytes 0.50 fuses
+    the two (its `gemm_4bit` op), which rounds differently. Used instead of bitsandbytes' MatMul4Bit,
     which keeps its weight on the autograd context (`ctx.tensors`) rather than in the saved
     tensors: activation checkpointing cannot drop it then, so every swapped block's nf4 weight
     stayed on the device from the forward to the backward (`ldm.block_swap`). Here the bits
