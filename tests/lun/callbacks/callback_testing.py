@@ -69,8 +69,10 @@ class TinyDiffusion(TrainingContract, pl.LightningModule):
         return 3, height, width
 
     def diffusion_loss(self, images: torch.Tensor, generator=None) -> torch.Tensor:
-        noise = torch.randn(images.shape, generator=generator)
-        s = torch.rand(images.shape[0], 1, 1, 1, generator=generator)
+        # drawn by the (CPU) generator, then moved where the batch is: the same numbers on the
+        # CPU and on an accelerator (the EMA's device-shadow test trains this model there)
+        noise = torch.randn(images.shape, generator=generator).to(images.device)
+        s = torch.rand(images.shape[0], 1, 1, 1, generator=generator).to(images.device)
         x_t = (1 - s).sqrt() * images + s.sqrt() * noise
         return F.mse_loss(self.model.diffusion_model(x_t), noise)
 
