@@ -395,8 +395,43 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) ->
     )
     if linear.bias is not None:
         layer.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-    _bind(layer, forward=_nf4_forward)
+    _bind(layer, forward=_nf4_forward, _load_from_state_dict=_nf4_load)
     return layer
+
+
+def _nf4_layout(state) -> tuple:
+    return tuple(state.shape), state.blocksize, state.quant_type, state.dtype, state.nested
+
+
+def _nf4_load(layer: nn.Module, state: dict, prefix: str, *args) -> None:
+    """An nf4 layer's state dict (bitsandbytes' `Linear4bit` save: the bits as `weight`, the
+    quant state's parts as `weight.absmax`, `weight.quant_map`, ...) into this one, which
+    bitsandbytes' own load cannot do (it takes the bits and reports the rest as unexpected, so a
+    strict load - Lightning's resume onto the run's nf4 base - failed). The parts are copied
+    into the layer's own quant state, in place; the bits load as any weight (block swap: into
+    the host copy)."""
+    import bitsandbytes as bnb
+
+    errors = args[-1]
+    start = prefix + "weight."
+    parts = {k[len(prefix) :]: state.pop(k) for k in [k for k in state if k.startswith(start)]}
+    if parts:
+        own = layer.weight.quant_state
+        found = bnb.functional.QuantState.from_dict(parts, device=own.absmax.device)
+        if _nf4_layout(found) != _nf4_layout(own):
+            errors.append(
+                f"{prefix}weight: an nf4 state of {_nf4_layout(found)} (shape, block, type, "
+                f"dtype, nested) for a layer of {_nf4_layout(own)}"
+            )
+        else:
+            with torch.no_grad():
+                for mine, theirs in [(own.absmax, found.absmax), (own.code, found.code)]:
+                    mine.copy_(theirs)
+                if own.nested:
+                    own.offset.copy_(found.offset)
+                    own.state2.absmax.copy_(found.state2.absmax)
+                    own.state2.code.copy_(found.state2.code)
+    bnb.nn.Linear4bit._load_from_state_dict(layer, state, prefix, *args)
 
 
 def quantized_layer(
