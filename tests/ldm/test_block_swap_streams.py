@@ -13,6 +13,7 @@ keeps a device's streams from reading a block before its copy ends:
 """
 
 import torch
+from stream_helpers import Stream
 from test_block_swap import step, tiny_dit, with_adapters
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,31 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ldm.block_swap import blocks_of, swap_blocks
 
 SWAPPED = 4  # of the 5 blocks
-
-
-class Stream:
-    """A device stream's stand-in: its calls written to `log` in order."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-
-    def wait_stream(self, other):
-        self.log.append((self.name, "wait_stream", other.name))
-
-    def __enter__(self):
-        self.log.append((self.name, "enter"))
-        return self
-
-    def __exit__(self, *exc):
-        self.log.append((self.name, "exit"))
-
-    def record_event(self):
-        event = object()
-        self.log.append((self.name, "record", event))
-        return event
-
-    def wait_event(self, event):
-        self.log.append((self.name, "wait_event", event))
 
 
 class HostCopies(TorchDispatchMode):

@@ -13,43 +13,11 @@ these calls is what keeps the average right on one:
 from types import SimpleNamespace
 
 import torch
+from stream_helpers import Stream
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lun.callbacks.ema import EMA
-
-
-class Event:
-    def __init__(self, log):
-        self.log = log
-
-    def synchronize(self):
-        self.log.append(("host", "synchronize", self))
-
-
-class Stream:
-    """A device stream's stand-in: its calls written to `log` in order."""
-
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-
-    def wait_stream(self, other):
-        self.log.append((self.name, "wait_stream", other.name))
-
-    def __enter__(self):
-        self.log.append((self.name, "enter"))
-        return self
-
-    def __exit__(self, *exc):
-        self.log.append((self.name, "exit"))
-
-    def record_event(self):
-        event = Event(self.log)
-        self.log.append((self.name, "record", event))
-        return event
-
-    def wait_event(self, event):
-        self.log.append((self.name, "wait_event", event))
 
 
 class StagingUse(TorchDispatchMode):
