@@ -474,7 +474,7 @@ class EMA(Callback):
         step = trainer.global_step
         if not self._reported and self._probe_start is not None:
             if step - self._probe_start[0] >= PROBE_STEPS:
-                self._decide(step)
+                self._decide(step, trainer)
         if not self._decided:  # "auto" while it times: no update until N is chosen
             if self._probe_start is None and step > self._last_update_step:
                 self._update(pl_module, step)  # timed
@@ -482,11 +482,17 @@ class EMA(Callback):
         if step - self._last_update_step >= self.update_every:
             self._update(pl_module, step)
 
-    def _decide(self, step: int) -> None:
+    def _decide(self, step: int, trainer) -> None:
         """Print the plan and its cost (choosing `update_every` first for "auto") from the timed
-        update and the steps that followed it (the time of their own updates left out)."""
+        update and the steps that followed it (the time of their own updates left out). Rank 0's
+        figures, on every rank: each rank times its own steps, and ranks choosing different N
+        would fold at different steps - under FSDP or DeepSpeed stage 3 an update gathers the
+        weights, a collective that the ranks not updating never join (the run hangs)."""
         first, started = self._probe_start
         step_s = (time.perf_counter() - started - self._probe_updates_s) / (step - first)
+        self._update_seconds, step_s = trainer.strategy.broadcast(
+            (self._update_seconds, step_s), src=0
+        )
         fitting = choose_update_every(self._update_seconds, step_s, self.budget)
         if not self._decided:
             self.update_every, self._decided = fitting, True

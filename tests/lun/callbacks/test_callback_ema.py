@@ -199,7 +199,7 @@ def test_bad_settings_are_refused():
 
 
 DDP_SCRIPT = """
-import os, sys
+import os, sys, time
 sys.path.insert(0, sys.argv[1])
 import lightning.pytorch as pl
 import torch
@@ -211,14 +211,24 @@ from lun.callbacks.ema import EMA
 class SaveShadows(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         ema = next(c for c in trainer.callbacks if isinstance(c, EMA))
-        torch.save(ema.shadows, os.path.join(sys.argv[2], f"rank{trainer.global_rank}.pt"))
+        saved = {"shadows": ema.shadows, "update_every": ema.update_every}
+        torch.save(saved, os.path.join(sys.argv[2], f"rank{trainer.global_rank}.pt"))
+
+class SlowRank1(pl.Callback):  # rank 1's host folds slower: its own timing would choose another N
+    def setup(self, trainer, pl_module, stage):
+        if trainer.global_rank == 1:
+            fold_in = EMA._fold_in
+            def slow_fold_in(ema, *args, **kwargs):
+                time.sleep(0.02)
+                return fold_in(ema, *args, **kwargs)
+            EMA._fold_in = slow_fold_in
 
 torch.manual_seed(0)
 module = TinyDiffusion()
-trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=3, logger=False,
+trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=9, logger=False,
     enable_progress_bar=False, enable_model_summary=False, default_root_dir=sys.argv[2],
-    callbacks=[EMA(decay=0.9), SaveShadows(),
-               Checkpoint(dirpath=os.path.join(sys.argv[2], "ckpt"), every_n_train_steps=3)])
+    callbacks=[EMA(decay=0.9, update_every="auto", budget=0.005), SaveShadows(), SlowRank1(),
+               Checkpoint(dirpath=os.path.join(sys.argv[2], "ckpt"), every_n_train_steps=9)])
 trainer.fit(module, DataLoader(RandomImages(12), batch_size=2, shuffle=False))
 import torch.distributed
 torch.distributed.destroy_process_group()
@@ -227,13 +237,17 @@ torch.distributed.destroy_process_group()
 
 @pytest.mark.slow  # two processes (~15 s): the ranks must agree through a real collective
 def test_ddp_ranks_keep_identical_averages_and_rank0_writes(tmp_path):
+    """update_every: auto, with rank 1's steps slower: both ranks take rank 0's N (under FSDP a
+    rank folding alone would wait in the weights' gather for ever)."""
     run_two_ranks(DDP_SCRIPT, tmp_path, tmp_path)
     ckpt_dir = tmp_path / "ckpt"
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    saved0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    saved1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    assert saved0["update_every"] == saved1["update_every"]
+    rank0, rank1 = saved0["shadows"], saved1["shadows"]
     assert all(torch.equal(rank0[n], rank1[n]) for n in rank0)
-    assert sorted(os.listdir(ckpt_dir)) == ["every-3-steps.ckpt"]
-    state = torch.load(ckpt_dir / "every-3-steps.ckpt", weights_only=True)["state_dict"]
+    assert sorted(os.listdir(ckpt_dir)) == ["every-9-steps.ckpt"]
+    state = torch.load(ckpt_dir / "every-9-steps.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(state["model_ema." + n.replace(".", "")], rank0[n]) for n in rank0)
 
 
