@@ -288,11 +288,12 @@ class Throughput(Callback):
         self._fetch_started: float | None = None
         self._wait = self._other = 0.0
         self._last_step = None
+        self._window_from = 0  # the step the current window started after
 
     # --- hooks -------------------------------------------------------------------------------
     def on_train_start(self, trainer, pl_module) -> None:
         self._reset_timing()
-        self._last_step = self._start_step = trainer.global_step
+        self._last_step = self._start_step = self._window_from = trainer.global_step
         cpu = pl_module.device.type == "cpu"
         self.memory_kind = "process peak RSS" if cpu else "accelerator allocator peak"
         if self.peak_flops is None or self.peak_source != "given":
@@ -371,7 +372,10 @@ class Throughput(Callback):
         self.epoch_figures(trainer, pl_module)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        if self._window.busy_s > 0:  # the last, partial window
+        # The last, partial window: decided by the step, which every rank shares, not by this
+        # rank's own timing - the figures are a collective, and a rank whose last steps were all
+        # FLOP-counted (a new bucket shape) timed nothing while the others did.
+        if trainer.global_step > self._window_from:
             warmup = trainer.global_step <= self._start_step + self.warmup_steps
             self._close_window(trainer, pl_module, warmup)
         rank_zero_info(self.report(trainer.world_size, str(trainer.precision)))
@@ -417,7 +421,7 @@ class Throughput(Callback):
 
     def _close_window(self, trainer, pl_module, warmup: bool) -> None:
         figures = self._figures(trainer, pl_module, self._window, warmup)
-        self._window = Tally()
+        self._window, self._window_from = Tally(), trainer.global_step
         if figures is None:
             return
         self.windows.append(figures)

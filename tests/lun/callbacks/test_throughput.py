@@ -393,3 +393,34 @@ def test_a_probe_that_read_low_is_taken_again(fit, monkeypatch):
     fit(TinyDiffusion(), [throughput], DataLoader(RandomImages(8), batch_size=2))
     assert throughput.peak_flops > 1e6  # probed again: the best of the probes
     assert all(w.mfu is not None and 0 < w.mfu <= 1 for w in throughput.windows)
+
+
+class FourthItemLarger(RandomImages):
+    """The fourth item twice the size: a new shape (an aspect bucket's), FLOP-counted, not timed."""
+
+    def __getitem__(self, index):
+        item = super().__getitem__(index)
+        if index == 3:
+            item["image"] = item["image"].repeat(1, 2, 2)
+        return item
+
+
+def test_the_last_partial_window_is_gathered_even_when_this_rank_timed_none_of_it(fit, monkeypatch):
+    """The figures are a collective: whether the run's last window is gathered must follow the
+    steps, which all ranks share - not this rank's own timing, which a last step of a new shape
+    leaves at zero here while another rank may have timed its step (it would wait in the gather
+    for ever)."""
+    gathered = []  # (step, the window's tally?, its busy seconds)
+    figures = Throughput._figures
+
+    def recorded(self, trainer, pl_module, tally, warmup):
+        gathered.append((trainer.global_step, tally is self._window, tally.busy_s))
+        return figures(self, trainer, pl_module, tally, warmup)
+
+    monkeypatch.setattr(Throughput, "_figures", recorded)
+    throughput = Throughput(log_every_n_steps=3, warmup_steps=0, peak_flops=PEAK)
+    loader = DataLoader(FourthItemLarger(8), batch_size=1)
+    fit(TinyDiffusion(), [throughput], loader, max_steps=4)
+    windows = [(step, busy) for step, is_window, busy in gathered if is_window]
+    assert windows[0][0] == 3 and windows[0][1] > 0  # the logged window, timed
+    assert windows[1:] == [(4, 0.0)]  # the last one: untimed here, and gathered all the same
