@@ -403,7 +403,9 @@ def _nf4_layout(state) -> tuple:
     return tuple(state.shape), state.blocksize, state.quant_type, state.dtype, state.nested
 
 
-def _nf4_load(layer: nn.Module, state: dict, prefix: str, *args) -> None:
+def _nf4_load(
+    layer: nn.Module, state: dict, prefix: str, metadata, strict, missing, unexpected, errors
+) -> None:
     """An nf4 layer's state dict (bitsandbytes' `Linear4bit` save: the bits as `weight`, the
     quant state's parts as `weight.absmax`, `weight.quant_map`, ...) into this one, which
     bitsandbytes' own load cannot do (it takes the bits and reports the rest as unexpected, so a
@@ -412,7 +414,6 @@ def _nf4_load(layer: nn.Module, state: dict, prefix: str, *args) -> None:
     the host copy)."""
     import bitsandbytes as bnb
 
-    errors = args[-1]
     start = prefix + "weight."
     parts = {k[len(prefix) :]: state.pop(k) for k in [k for k in state if k.startswith(start)]}
     if parts:
@@ -431,7 +432,9 @@ def _nf4_load(layer: nn.Module, state: dict, prefix: str, *args) -> None:
                     own.offset.copy_(found.offset)
                     own.state2.absmax.copy_(found.state2.absmax)
                     own.state2.code.copy_(found.state2.code)
-    bnb.nn.Linear4bit._load_from_state_dict(layer, state, prefix, *args)
+    bnb.nn.Linear4bit._load_from_state_dict(
+        layer, state, prefix, metadata, strict, missing, unexpected, errors
+    )
 
 
 def quantized_layer(
