@@ -96,17 +96,31 @@ def kill_after_first_checkpoint(args: list[str], cwd: Path, logs: Path, every: i
     return written[0]
 
 
-def assert_resume_is_exact(tmp_path: Path, shapes_dir: Path, every: int, *extra: str) -> Path:
-    """Run both ways and compare; returns the resumed run's folder."""
-    straight = run_main(
-        demo_args(shapes_dir, tmp_path / "straight", every, *extra), cwd=tmp_path, timeout=600
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    (straight_run,) = (tmp_path / "straight").iterdir()
+def assert_resume_is_exact(
+    tmp_path: Path, shapes_dir: Path, every: int, *extra: str, side_by_side: bool = False
+) -> Path:
+    """Run both ways and compare; returns the resumed run's folder. `side_by_side`: the straight
+    run goes on while the interrupted one runs (for 1-process runs: each has a core of 2)."""
+    straight_args = demo_args(shapes_dir, tmp_path / "straight", every, *extra)
+    straight_err = tmp_path / "straight.err"
+    with straight_err.open("w") as err:
+        straight = subprocess.Popen(
+            [sys.executable, str(ROOT / "main.py"), *straight_args],
+            cwd=tmp_path,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    if not side_by_side:
+        straight.wait(timeout=600)
 
     logs = tmp_path / "interrupted"
     args = demo_args(shapes_dir, logs, every, *extra)
-    checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every)
+    try:
+        checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every)
+    finally:
+        straight.wait(timeout=600)
+    assert straight.returncode == 0, straight_err.read_text()[-3000:]
+    (straight_run,) = (tmp_path / "straight").iterdir()
     # Resumed from the file itself (written atomically; a kill may fall between `last.ckpt`'s
     # removal and its new link). The step it holds: k, or a later multiple if the kill came late.
     stopped_at = int(training_state(checkpoint)["global_step"])
