@@ -35,16 +35,22 @@ os.environ["LUN_CACHE_DIR"] = tempfile.mkdtemp(prefix="lun_test_cache_")
 
 @contextlib.contextmanager
 def _environment_restored():
-    before = dict(os.environ)
+    """os.environ and torch's thread count as they were. A script's main() called in this
+    process sets the count its own run wants (scripts/cache_latents.py: one per core), and every
+    later test then computed on 2 threads: on a shared 2-core machine their spin-waiting made
+    tests/e2e/test_configs' in-process SD runs 5-15x slower (2 s -> 19-31 s)."""
+    before, threads = dict(os.environ), torch.get_num_threads()
     yield
     if os.environ != before:
         os.environ.clear()
         os.environ.update(before)
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)
 def environment_as_it_was():
-    """Each test leaves os.environ as it found it: a launcher run in this process sets
+    """Each test leaves os.environ (and torch's thread count) as it found it: a launcher run in this process sets
     PL_GLOBAL_SEED (seed_everything), MASTER_PORT and more, and a later test's Trainer reads them
     (Lightning seeds its distributed sampler with PL_GLOBAL_SEED)."""
     with _environment_restored():

@@ -6,6 +6,7 @@ sheet peak), its budget and time limits, and a `--tiny` run of every row on the 
 
 import importlib.util
 import json
+import subprocess
 import sys
 import time
 
@@ -140,48 +141,28 @@ def test_a_family_setting_that_fails_leaves_the_others_their_rows(tmp_path):
     assert failed[0]["vs_diffusers"] is None and "img_s" not in failed[0]
 
 
-@pytest.mark.slow  # the model, compile and sampling rows and one main.py run (~1 min on 2 cores)
-def test_tiny_runs_the_rows_on_the_cpu(bench, tmp_path, capsys):
-    """`--tiny` rows at tiny width on the CPU: the model step against diffusers, compile,
-    sampling, main.py end to end through the row's timer callback, and block swap. (The cached
-    and EMA main.py rows and the demo, ~4 more minutes, run with `--tiny` alone; the launcher,
-    the cache and the demo have their own tests.) The driver runs in this process (each row
-    group still starts its own, as on the GPU): one start-up of torch fewer."""
-    out = tmp_path / "tiny.json"
-    rows_asked = ["model", "compile", "sampling", "e2e_no_ema", "swap"]
-    assert bench.main(["--tiny", "--out", str(out), "--only", *rows_asked]) == 0
-    printed = capsys.readouterr().out
-    rows = {row["row"]: row for row in json.loads(out.read_text())["rows"]}
-    errors = {name: row["error"] for name, row in rows.items() if "error" in row}
-    assert not errors, errors
-    for name in (
-        "model: ours",
-        "model: diffusers",
-        "model: ours + channels_last",
-        "model: ours + torch.compile",
-        "e2e: main.py online, no EMA",
-    ):
-        assert rows[name]["img_s"] > 0, name
-    assert rows["model: ours"]["tflop_per_img"] > 0
-    assert any(name.startswith("sampling") for name in rows)
-    # block swap on the CPU: plain copies, the same kernels - the swapped step is the plain one
-    swaps = [row for name, row in rows.items() if name.startswith("swap:")]
-    assert [row["row"].split(", ")[-1] for row in swaps] == [
-        "none base",
-        "fp8 base",
-        "int8 base",
-        "nf4 base",
-    ]
-    for row in swaps:
-        assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
-    assert "| row | img/s | vs diffusers |" in printed
+@pytest.fixture(scope="module")
+def driven_rows(tmp_path_factory):
+    """`benchmark_gpu.py --tiny` of the model, compile and main.py rows, started in the
+    background by the first test that asks: each row group runs in a process of its own, as on
+    the GPU (torch.compile's caches stay out of this one), on one core while the in-process
+    rows of the tests run beside it on the other. (process, its --out file, its output)"""
+    folder = tmp_path_factory.mktemp("benchmark_gpu")
+    out, log = folder / "tiny.json", folder / "driver.log"
+    rows = ["model", "compile", "e2e_no_ema"]
+    cmd = [sys.executable, "scripts/benchmark_gpu.py", "--tiny", "--out", str(out), "--only", *rows]
+    with log.open("w") as output:
+        driver = subprocess.Popen(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+    yield driver, out, log
+    driver.wait()  # a test that failed first leaves no row group running
 
 
 @pytest.mark.slow  # four tiny models against diffusers / the plan, pytest, one main.py run (~40 s)
-def test_tiny_runs_the_family_rows_on_the_cpu(bench, tmp_path):
+def test_tiny_runs_the_family_rows_on_the_cpu(bench, tmp_path, driven_rows):
     """The rows of issues 33 and 34 (scripts/gpu_bench/families.py), as registered in ROWS, at
     tiny width on the CPU - called in this process (the driver's own process per group is run
-    by the test above): a start-up of torch and diffusers per group fewer."""
+    by `driven_rows`, which runs beside this test): a start-up of torch and diffusers per group
+    fewer."""
     import argparse
 
     import torch
@@ -252,6 +233,51 @@ def check_family_rows(rows: dict) -> None:
     # the EMA's device test ran under pytest: skipped on a CPU, not failed
     ema = next(row for name, row in rows.items() if name.startswith("ema test"))
     assert (ema["passed"], ema["failed"], ema["skipped"]) == (0, 0, 1), ema
+
+
+@pytest.mark.slow  # the model, compile and sampling rows and one main.py run (~40 s on 2 cores)
+def test_tiny_runs_the_rows_on_the_cpu(bench, driven_rows, tmp_path):
+    """`--tiny` rows at tiny width on the CPU: the model step against diffusers, compile,
+    sampling, main.py end to end through the row's timer callback, and block swap. (The cached
+    and EMA main.py rows and the demo, ~4 more minutes, run with `--tiny` alone; the launcher,
+    the cache and the demo have their own tests.) The driver's rows are `driven_rows`'; the
+    sampling and swap rows are called here, beside it, as the family test calls its rows."""
+    import argparse
+
+    import torch
+    from gpu_bench.measure import size
+
+    args = argparse.Namespace(tiny=True, work=str(tmp_path), row_timeout=600)
+    here = []
+    for name in ("sampling", "swap"):
+        bench.ROWS[name][0](args, size(True), torch.device("cpu"), here.append)
+    driver, out, log = driven_rows
+    assert driver.wait() == 0, log.read_text()[-3000:]
+    printed = log.read_text()
+    rows = {row["row"]: row for row in json.loads(out.read_text())["rows"] + here}
+    errors = {name: row["error"] for name, row in rows.items() if "error" in row}
+    assert not errors, errors
+    for name in (
+        "model: ours",
+        "model: diffusers",
+        "model: ours + channels_last",
+        "model: ours + torch.compile",
+        "e2e: main.py online, no EMA",
+    ):
+        assert rows[name]["img_s"] > 0, name
+    assert rows["model: ours"]["tflop_per_img"] > 0
+    assert any(name.startswith("sampling") for name in rows)
+    # block swap on the CPU: plain copies, the same kernels - the swapped step is the plain one
+    swaps = [row for name, row in rows.items() if name.startswith("swap:")]
+    assert [row["row"].split(", ")[-1] for row in swaps] == [
+        "none base",
+        "fp8 base",
+        "int8 base",
+        "nf4 base",
+    ]
+    for row in swaps:
+        assert row["same_grads"] and row["max_out_diff"] == 0 and row["max_grad_diff"] == 0
+    assert "| row | img/s | vs diffusers |" in printed
 
 
 def test_the_demo_config_pins_no_device(demo):

@@ -35,7 +35,7 @@ def test_lora_resume_is_bitwise_exact_and_a_longer_resume_follows_the_config(tmp
     base = tmp_path / "base.safetensors"
     checkpoint.save_safetensors(build(DEMO, None, overrides=(SHAPE,)).state_dict(), base)
     extra = (f"model.params.lora={LORA}", f"model.params.ckpt_path={base}")
-    resumed = assert_resume_is_exact(tmp_path, shapes_dir, AT_EPOCH_END, *extra)
+    resumed = assert_resume_is_exact(tmp_path, shapes_dir, AT_EPOCH_END, *extra, side_by_side=True)
     (straight,) = (tmp_path / "straight").iterdir()
 
     got, saved = adapters(resumed)

@@ -3,12 +3,17 @@ the run trains the adapters and nothing else, its checkpoint (a file, or DeepSpe
 merged by `lun.strategies.load_training_checkpoint`) is the original layout plus `lora.*`, with
 the EMA of the adapters, and `scripts/lora.py export` writes the kohya file of those adapters."""
 
+import os
+import subprocess
+import sys
+
 import lora as lora_script
 import pytest
 import torch
 from lora_helpers import build
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT
 from safetensors.torch import load_file
+from test_resume import free_ports
 
 from ldm import checkpoint
 from ldm.layout.ema import EMA_SCALARS
@@ -18,19 +23,55 @@ TINY = ROOT / "configs" / "tiny" / "ldm.yaml"
 LORA = "{rank: 2, alpha: 4, targets: [attn, conv], text_encoder: {rank: 2}}"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["ddp", "deepspeed_stage2", "fsdp"])
-def test_lora_trains_saves_and_exports_under_two_processes(tmp_path, shapes_dir, preset):
-    base = tmp_path / "base.safetensors"  # "pretrained": a fresh UNet's zero output layer
+PRESETS = ["ddp", "deepspeed_stage2", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory, shapes_dir):
+    """The 2-process LoRA run of each preset this session's tests ask for, started at once: a
+    launch leaves a core idle much of its start-up (rank 1 starts once rank 0 is set up), so the
+    runs go side by side, each with a rendezvous port of its own. preset -> (its folder, its
+    process, the base's weights)."""
+    wanted = [
+        item.callspec.params["preset"]
+        for item in request.session.items
+        if item.module is request.module and hasattr(item, "callspec")
+    ]
+    folder = tmp_path_factory.mktemp("lora_strategies")
+    base = folder / "base.safetensors"  # "pretrained": a fresh UNet's zero output layer
     start = build(TINY, None).state_dict()  # would give the adapters no gradient
     checkpoint.save_safetensors(start, base)
+    runs = {}
+    for preset, port in zip(wanted, free_ports(len(wanted)), strict=True):
+        tmp_path = folder / preset
+        tmp_path.mkdir()
+        args = ["--base", str(TINY), str(ROOT / "configs" / "lightning" / f"{preset}.yaml")]
+        args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
+        args += [f"data.params.train.params.data_root={shapes_dir}"]
+        args += ["-l", str(tmp_path / "logs"), "-n", "run"]
+        args += [f"model.params.lora={LORA}", f"model.params.ckpt_path={base}"]
+        with (tmp_path / "stderr.txt").open("w") as err:
+            process = subprocess.Popen(
+                [sys.executable, str(ROOT / "main.py"), *args, "model.params.use_ema=true", "-t"],
+                cwd=tmp_path,
+                env={**os.environ, "MASTER_PORT": str(port)},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        runs[preset] = (tmp_path, process, start)
+    yield runs
+    for _, process, _ in runs.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", PRESETS)
+def test_lora_trains_saves_and_exports_under_two_processes(launched, preset):
+    tmp_path, process, start = launched[preset]
     logs = tmp_path / "logs"
-    args = ["--base", str(TINY), str(ROOT / "configs" / "lightning" / f"{preset}.yaml")]
-    args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
-    args += [f"data.params.train.params.data_root={shapes_dir}", "-l", str(logs), "-n", "run"]
-    args += [f"model.params.lora={LORA}", f"model.params.ckpt_path={base}"]
-    result = run_main([*args, "model.params.use_ema=true", "-t"], cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    returncode = process.wait(timeout=600)
+    assert returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
     (run,) = logs.iterdir()
     last = run / "checkpoints" / "last.ckpt"
     saved = load_training_checkpoint(last)

@@ -8,8 +8,10 @@ random draws depend on the batch alone (workers, resume), and a resume with a lo
 follows the config.
 """
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -71,12 +73,15 @@ def training_state(checkpoint: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def kill_after_first_checkpoint(args: list[str], cwd: Path, logs: Path, every: int) -> Path:
+def kill_after_first_checkpoint(
+    args: list[str], cwd: Path, logs: Path, every: int, env: dict | None = None
+) -> Path:
     """Run the launcher, SIGKILL its whole process group (every rank) once it has written a
     periodic checkpoint, and return that checkpoint."""
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "main.py"), *args],
         cwd=cwd,
+        env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -96,17 +101,45 @@ def kill_after_first_checkpoint(args: list[str], cwd: Path, logs: Path, every: i
     return written[0]
 
 
-def assert_resume_is_exact(tmp_path: Path, shapes_dir: Path, every: int, *extra: str) -> Path:
-    """Run both ways and compare; returns the resumed run's folder."""
-    straight = run_main(
-        demo_args(shapes_dir, tmp_path / "straight", every, *extra), cwd=tmp_path, timeout=600
-    )
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    (straight_run,) = (tmp_path / "straight").iterdir()
+def free_ports(count: int) -> list[int]:
+    """`count` different free ports (all held while they are asked for)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def assert_resume_is_exact(
+    tmp_path: Path, shapes_dir: Path, every: int, *extra: str, side_by_side: bool = False
+) -> Path:
+    """Run both ways and compare; returns the resumed run's folder. `side_by_side`: the straight
+    run goes on while the interrupted one runs (a launch spends much of its start-up with a core
+    idle: DDP's rank 1 is started only once rank 0 is set up), each with a rendezvous port of its
+    own (Lightning's pick of a free one could give both the same)."""
+    ports = free_ports(2) if side_by_side else [None, None]
+    envs = [{**os.environ, "MASTER_PORT": str(port)} if port else None for port in ports]
+    straight_args = demo_args(shapes_dir, tmp_path / "straight", every, *extra)
+    straight_err = tmp_path / "straight.err"
+    with straight_err.open("w") as err:
+        straight = subprocess.Popen(
+            [sys.executable, str(ROOT / "main.py"), *straight_args],
+            cwd=tmp_path,
+            env=envs[0],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+    if not side_by_side:
+        straight.wait(timeout=600)
 
     logs = tmp_path / "interrupted"
     args = demo_args(shapes_dir, logs, every, *extra)
-    checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every)
+    try:
+        checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every, envs[1])
+    finally:
+        straight.wait(timeout=600)
+    assert straight.returncode == 0, straight_err.read_text()[-3000:]
+    (straight_run,) = (tmp_path / "straight").iterdir()
     # Resumed from the file itself (written atomically; a kill may fall between `last.ckpt`'s
     # removal and its new link). The step it holds: k, or a later multiple if the kill came late.
     stopped_at = int(training_state(checkpoint)["global_step"])
@@ -159,7 +192,9 @@ def test_two_process_ddp_resume_is_bitwise_exact(tmp_path, shapes_dir):
     on_cpu_with_2 = ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
     # A loader worker per rank: its flips come from a process whose streams no checkpoint holds.
     worker = "data.params.num_workers=1"
-    assert_resume_is_exact(tmp_path, shapes_dir, MID_EPOCH, str(ddp), *on_cpu_with_2, worker)
+    assert_resume_is_exact(
+        tmp_path, shapes_dir, MID_EPOCH, str(ddp), *on_cpu_with_2, worker, side_by_side=True
+    )
 
 
 # --- the parts, without the launcher ---------------------------------------------------------

@@ -2,7 +2,9 @@
 real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulation, and the
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
+import contextlib
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -252,6 +254,54 @@ def check_resumed_and_export(
     load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` different free ports (all held while they are asked for)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+@pytest.fixture(scope="module")
+def first_runs(request, tmp_path_factory, shapes_dir):
+    """The 2-step 2-process run of each (preset, precision) this session's tests ask for,
+    started at once: a launch leaves a core idle much of its start-up (rank 1 starts once rank
+    0 is set up), so they go side by side, each with a rendezvous port of its own. Their
+    resumes run one at a time, in the tests. (preset, precision) -> (its folder, its process)"""
+    wanted = [
+        (item.callspec.params["preset"], item.callspec.params["precision"])
+        for item in request.session.items
+        if item.module is request.module
+        and item.originalname == "test_two_processes_train_resume_and_export_one_file"
+    ]
+    runs = {}
+    for (preset, precision), port in zip(wanted, free_ports(len(wanted)), strict=True):
+        tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
+        args = [
+            "--base",
+            str(TINY),
+            str(PRESETS / f"{preset}.yaml"),
+            *ON_CPU_WITH_2,
+            f"lightning.trainer.precision={precision}",
+            *training_args(shapes_dir, tmp_path / "logs"),
+            "-t",
+        ]
+        with (tmp_path / "stderr.txt").open("w") as err:
+            process = subprocess.Popen(
+                [sys.executable, str(ROOT / "main.py"), *args],
+                cwd=tmp_path,
+                env={**os.environ, "MASTER_PORT": str(port)},
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
+        runs[preset, precision] = (tmp_path, process)
+    yield runs
+    for _, process in runs.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "preset, precision, resume_overrides",
@@ -263,20 +313,11 @@ def check_resumed_and_export(
     ],
 )
 def test_two_processes_train_resume_and_export_one_file(
-    tmp_path, shapes_dir, preset, precision, resume_overrides
+    first_runs, preset, precision, resume_overrides
 ):
+    tmp_path, first = first_runs[preset, precision]  # main.py with "{preset}.yaml"
     logs = tmp_path / "logs"
-    args = [
-        "--base",
-        str(TINY),
-        str(PRESETS / f"{preset}.yaml"),
-        *ON_CPU_WITH_2,
-        f"lightning.trainer.precision={precision}",
-        *training_args(shapes_dir, logs),
-        "-t",
-    ]
-    first = run_main(args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.wait(timeout=600) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
     (run,) = logs.iterdir()
     check_written(run, step=2)
     # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
