@@ -4,11 +4,32 @@ import contextlib
 import importlib.util
 import io
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` different free ports (all held while they are asked for)."""
+    with contextlib.ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
+def failure_lines(stderr: str, tail: int = 3000) -> str:
+    """A failed multi-process run's stderr for an assertion message: each line that says what
+    went wrong (rank 0's cause often scrolls far above rank 1's last words), then the tail."""
+    said = [
+        line
+        for line in stderr.splitlines()
+        if any(word in line for word in ("Error", "Traceback", "abort", "terminate", "Signal"))
+    ]
+    return "\n".join(said[:40]) + "\n--- the end ---\n" + stderr[-tail:]
 
 
 def run_main(

@@ -11,9 +11,8 @@ import lora as lora_script
 import pytest
 import torch
 from lora_helpers import build
-from run_helpers import ROOT
+from run_helpers import ROOT, failure_lines, free_ports
 from safetensors.torch import load_file
-from test_resume import free_ports
 
 from ldm import checkpoint
 from ldm.layout.ema import EMA_SCALARS
@@ -71,7 +70,7 @@ def test_lora_trains_saves_and_exports_under_two_processes(launched, preset):
     tmp_path, process, start = launched[preset]
     logs = tmp_path / "logs"
     returncode = process.wait(timeout=600)
-    assert returncode == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    assert returncode == 0, failure_lines((tmp_path / "stderr.txt").read_text())
     (run,) = logs.iterdir()
     last = run / "checkpoints" / "last.ckpt"
     saved = load_training_checkpoint(last)

@@ -8,10 +8,8 @@ random draws depend on the batch alone (workers, resume), and a resume with a lo
 follows the config.
 """
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
@@ -21,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, failure_lines, free_ports, run_main
 
 import ldm.optim
 from ldm.util import instantiate_from_config
@@ -101,15 +99,6 @@ def kill_after_first_checkpoint(
     return written[0]
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` different free ports (all held while they are asked for)."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-
-
 def assert_resume_is_exact(
     tmp_path: Path, shapes_dir: Path, every: int, *extra: str, side_by_side: bool = False
 ) -> Path:
@@ -145,7 +134,7 @@ def assert_resume_is_exact(
     stopped_at = int(training_state(checkpoint)["global_step"])
     assert 0 < stopped_at < STEPS and stopped_at % every == 0
     resumed = run_main(["--resume", str(checkpoint), "-t"], cwd=tmp_path, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_lines(resumed.stderr)
     assert "random-number streams restored" in resumed.stderr
 
     expected = training_state(straight_run / "checkpoints" / "last.ckpt")
@@ -168,7 +157,7 @@ def assert_a_longer_resume_follows_the_config(run: Path, cwd: Path) -> None:
     longer = run_main(
         ["--resume", str(run), f"lightning.trainer.max_steps={STEPS + 3}", "-t"], cwd=cwd
     )
-    assert longer.returncode == 0, longer.stderr[-3000:]
+    assert longer.returncode == 0, failure_lines(longer.stderr)
     said = [line for line in longer.stderr.splitlines() if "LR schedule" in line]
     assert len(said) == 1 and f"total_steps {STEPS} -> {STEPS + 3}" in said[0], longer.stderr
     assert f"from step {STEPS}" in said[0]

@@ -2,7 +2,6 @@
 real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulation, and the
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
-import contextlib
 import importlib.util
 import os
 import socket
@@ -14,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 from lightning.pytorch.strategies import DDPStrategy
+from run_helpers import failure_lines, free_ports
 from safetensors.torch import load_file
 from strategy_checks import one_step, tiny_model
 from torch.testing import assert_close
@@ -219,7 +219,7 @@ def check_resumed_and_export(
     resumed = run_main(
         ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"], cwd=tmp_path
     )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, failure_lines(resumed.stderr)
     assert "average restarts" not in resumed.stderr  # the EMA came back from the checkpoint
 
     last = run / "checkpoints" / "last.ckpt"
@@ -252,15 +252,6 @@ def check_resumed_and_export(
     assert any(not torch.equal(exported[k], start[k]) for k in text_encoder)
     assert all(torch.equal(exported[k], state[k].float()) for k in text_encoder)
     load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` different free ports (all held while they are asked for)."""
-    with contextlib.ExitStack() as held:
-        sockets = [held.enter_context(socket.socket()) for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +308,7 @@ def test_two_processes_train_resume_and_export_one_file(
 ):
     tmp_path, first = first_runs[preset, precision]  # main.py with "{preset}.yaml"
     logs = tmp_path / "logs"
-    assert first.wait(timeout=600) == 0, (tmp_path / "stderr.txt").read_text()[-3000:]
+    assert first.wait(timeout=600) == 0, failure_lines((tmp_path / "stderr.txt").read_text())
     (run,) = logs.iterdir()
     check_written(run, step=2)
     # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
