@@ -319,8 +319,9 @@ def _int8_load(layer: nn.Module, *args) -> None:
 
 class _Nf4Op(torch.autograd.Function):
     """y = x W^T + b with W dequantized from the nf4 bits, in `dtype` (the layer's compute
-    dtype): bitsandbytes' own forward on the CPU, to the bit; on CUDA bitsandbytes 0.50 fuses
-    the two (its `gemm_4bit` op), which rounds differently. Used instead of bitsandbytes' MatMul4Bit,
+    dtype): bitsandbytes' own forward on the CPU, to the bit, and on CUDA where its `gemm_4bit`
+    op takes the same dequantize + linear (many rows: a training step's tokens); for few rows
+    it picks a fused kernel there, which rounds differently. Used instead of bitsandbytes' MatMul4Bit,
     which keeps its weight on the autograd context (`ctx.tensors`) rather than in the saved
     tensors: activation checkpointing cannot drop it then, so every swapped block's nf4 weight
     stayed on the device from the forward to the backward (`ldm.block_swap`). Here the bits
