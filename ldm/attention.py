@@ -53,6 +53,19 @@ def sdpa_kernels(names) -> list:
     return [backends[name] for name in names]
 
 
+def preferring(backends: list):
+    """`torch.nn.attention.sdpa_kernel` over `backends` (from `sdpa_kernels`) in their order of
+    preference, then math. `set_priority`: without it the list only enables kernels and PyTorch
+    picks in its own order (flash, efficient, math, cuDNN: `torch._C._get_sdp_priority_order()`),
+    so `[cudnn, flash]` would run flash wherever flash can. Math last, chosen only where none of
+    `backends` takes the call: flash and cuDNN take fp16 / bf16 only, and the float32 attention
+    of sampling outside autocast (the image logger, txt2img's default `--precision full`) or of
+    SD 2's `upcast_attention` would otherwise fail on CUDA with "No available kernel"."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([*backends, SDPBackend.MATH], set_priority=True)
+
+
 def _xformers_ops():
     """Import `xformers.ops` on first use; it is optional and absent on CPU-only installs."""
     try:

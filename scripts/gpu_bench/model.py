@@ -54,8 +54,7 @@ def flop_per_image(model, s, device) -> int:
 
 def model_row(model, s, device, dtype, flop_per_image, peak, channels_last=False, kernels=None):
     """Time one training-step variant of `model` (moved to the device here, freed after)."""
-    from torch.nn.attention import sdpa_kernel
-
+    from ldm.attention import preferring
     from ldm.optim import build_optimizer
 
     reset_peak(device)
@@ -68,7 +67,7 @@ def model_row(model, s, device, dtype, flop_per_image, peak, channels_last=False
     def step():
         if kernels is None:
             return train_step(model, optimizer, batch, dtype)
-        with sdpa_kernel(kernels):
+        with preferring(kernels):  # in their order: [cudnn, flash] runs cuDNN where it can
             return train_step(model, optimizer, batch, dtype)
 
     started = time.perf_counter()
