@@ -32,14 +32,24 @@ def compile_arguments(value) -> dict:
     backend = options.get("backend", "inductor")
     if isinstance(backend, str) and backend not in torch._dynamo.list_backends(exclude_tags=()):
         raise ValueError(f"compile_backbone.backend: {backend!r} is not a torch.compile backend")
-    if backend == "inductor" and not torch.cuda.is_available() and not _cpp_compiler():
-        raise ValueError(
-            "compile_backbone: inductor on a CPU needs a C++ compiler (g++/clang++) and none is "
-            "on PATH; install one, set backend: eager, or set compile_backbone: false"
+    if backend == "inductor":
+        # Its CPU kernels are C++; on CUDA, Triton builds its driver and launchers with a C
+        # compiler at the first kernel (triton/runtime/build.py: $CC, else gcc, else clang).
+        where, names = (
+            ("CUDA", ("CC", "gcc", "clang"))
+            if torch.cuda.is_available()
+            else ("a CPU", ("CXX", "g++", "c++", "clang++"))
         )
+        if not _compiler(*names):
+            raise ValueError(
+                f"compile_backbone: inductor on {where} needs a compiler ({', '.join(names[1:])} "
+                f"or ${names[0]}) and none is on PATH; install one, set backend: eager, or set "
+                "compile_backbone: false"
+            )
     return dict(options)
 
 
-def _cpp_compiler() -> str | None:
-    names = (os.environ.get("CXX"), "g++", "c++", "clang++")
-    return next((path for name in names if name and (path := shutil.which(name))), None)
+def _compiler(variable: str, *names: str) -> str | None:
+    """The compiler `$variable` names, else the first of `names` on PATH."""
+    candidates = (os.environ.get(variable), *names)
+    return next((path for name in candidates if name and (path := shutil.which(name))), None)
