@@ -63,7 +63,8 @@ def preferring(backends: list):
     SD 2's `upcast_attention` would otherwise fail on CUDA with "No available kernel"."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([*backends, SDPBackend.MATH], set_priority=True)
+    last = [] if SDPBackend.MATH in backends else [SDPBackend.MATH]
+    return sdpa_kernel([*backends, *last], set_priority=True)
 
 
 def _xformers_ops():

@@ -14,11 +14,10 @@ from dataclasses import dataclass, fields
 import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.nn.attention import sdpa_kernel
 
 from ldm import checkpoint, objectives
 from ldm.adapters import FitEnd, training_mode
-from ldm.attention import sdpa_kernels
+from ldm.attention import preferring, sdpa_kernels
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
@@ -47,9 +46,10 @@ class Speed:
         `{mode: reduce-overhead}` adds CUDA graphs: fewer kernel launches). Checked before
         the run: a machine where torch.compile cannot run, or an unknown mode or backend,
         is one error line.
-    attention_kernels: restrict the backbone's fused attention to these
-        `torch.nn.attention.sdpa_kernel` kernels, in order of preference: `flash`, `cudnn`,
-        `efficient`, `math` (a name or a list); null lets PyTorch pick. cudnn and efficient
+    attention_kernels: the backbone's fused attention kernels, in order of preference (tried in
+        that order, then math where none of them takes a call: float32 attention, a head size
+        they refuse): `flash`, `cudnn`, `efficient`, `math` (a name or a list); null lets
+        PyTorch pick. cudnn and efficient
         need CUDA (checked before the run). docs/gpu.md says which is fastest where.
     """
 
@@ -346,7 +346,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
             x_t = x_t.contiguous(memory_format=torch.channels_last)
         if self.sdpa_kernels is None:
             return self.model(x_t, t, cond)
-        with sdpa_kernel(self.sdpa_kernels):
+        with preferring(self.sdpa_kernels):
             return self.model(x_t, t, cond)
 
     def predict(

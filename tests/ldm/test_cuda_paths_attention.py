@@ -27,3 +27,21 @@ def test_attention_no_named_kernel_takes_falls_back_to_math():
     with preferring([SDPBackend.CUDNN_ATTENTION]):
         out = F.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v))
+
+
+def test_the_models_attention_kernels_are_preferred_in_order_with_math_last():
+    """LatentDiffusion.apply_model runs the backbone under `preferring`: on CUDA, float32
+    attention (sampling outside autocast) under `attention_kernels: flash` falls back to math
+    instead of failing with "No available kernel"."""
+    from test_speed_options import model_inputs, tiny_model
+
+    model = tiny_model(attention_kernels=["flash"])
+    seen = []
+    model.model.register_forward_pre_hook(
+        lambda *_: seen.append(
+            (torch._C._get_sdp_priority_order()[:2], torch.backends.cuda.math_sdp_enabled())
+        )
+    )
+    with torch.no_grad():
+        model.apply_model(*model_inputs(model))
+    assert seen == [([int(SDPBackend.FLASH_ATTENTION), int(SDPBackend.MATH)], True)]
