@@ -321,11 +321,12 @@ class _Nf4Op(torch.autograd.Function):
     """y = x W^T + b with W dequantized from the nf4 bits, in `dtype` (the layer's compute
     dtype): bitsandbytes' own forward on the CPU, to the bit, and on CUDA where its `gemm_4bit`
     op takes the same dequantize + linear (many rows: a training step's tokens); for few rows
-    it picks a fused kernel there, which rounds differently. Used instead of bitsandbytes' MatMul4Bit,
-    which keeps its weight on the autograd context (`ctx.tensors`) rather than in the saved
-    tensors: activation checkpointing cannot drop it then, so every swapped block's nf4 weight
-    stayed on the device from the forward to the backward (`ldm.block_swap`). Here the bits
-    are saved tensors, and the backward dequantizes them again, as fp8's `_Fp8Op` does."""
+    it picks a fused kernel there, which rounds differently. Used instead of bitsandbytes'
+    MatMul4Bit, which keeps its weight on the autograd context (`ctx.tensors`) rather than in
+    the saved tensors: activation checkpointing cannot drop it then, so every swapped block's
+    nf4 weight stayed on the device from the forward to the backward (`ldm.block_swap`). Here
+    the bits are saved tensors, and the backward dequantizes them again, as fp8's `_Fp8Op`
+    does."""
 
     @staticmethod
     def forward(ctx, x, bits, quant_state, bias, dtype):
@@ -400,6 +401,16 @@ def _nf4(linear: nn.Linear, compute_dtype: torch.dtype, device: torch.device) ->
     return layer
 
 
+def nf4_state_tensors(state) -> list[torch.Tensor]:
+    """The tensors of an nf4 layer's quant state, which bitsandbytes keeps outside the layer's
+    parameters and buffers: the block absmax and the NF4 levels, and with double quantization
+    the second level's absmax and map and the offset."""
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.state2.absmax, state.state2.code, state.offset]
+    return tensors
+
+
 def _nf4_layout(state) -> tuple:
     return tuple(state.shape), state.blocksize, state.quant_type, state.dtype, state.nested
 
@@ -427,12 +438,8 @@ def _nf4_load(
             )
         else:
             with torch.no_grad():
-                for mine, theirs in [(own.absmax, found.absmax), (own.code, found.code)]:
+                for mine, theirs in zip(nf4_state_tensors(own), nf4_state_tensors(found)):
                     mine.copy_(theirs)
-                if own.nested:
-                    own.offset.copy_(found.offset)
-                    own.state2.absmax.copy_(found.state2.absmax)
-                    own.state2.code.copy_(found.state2.code)
     bnb.nn.Linear4bit._load_from_state_dict(
         layer, state, prefix, metadata, strict, missing, unexpected, errors
     )

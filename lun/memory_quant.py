@@ -33,6 +33,7 @@ import sys
 
 import torch
 
+from ldm.quantize import nf4_state_tensors
 from lun.memory_parts import DEVICE, HOST, GiB, MemoryPlan, MemoryPlanError, Part, _gib
 
 ORDER = ("none", "fp8", "int8", "nf4")  # the cheapest in precision first
@@ -216,9 +217,7 @@ def quantization_state_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
         # once per state: a peft LoRA layer's `weight` is its base layer's, the same state
         if state is not None and id(state) not in seen:
             seen.add(id(state))
-            tensors += [state.absmax, state.code]
-            if getattr(state, "nested", False):
-                tensors += [state.state2.absmax, state.state2.code, state.offset]
+            tensors += nf4_state_tensors(state)
     return tensors
 
 
