@@ -49,8 +49,8 @@ class Speed:
     attention_kernels: the backbone's fused attention kernels, in order of preference (tried in
         that order, then math where none of them takes a call: float32 attention, a head size
         they refuse): `flash`, `cudnn`, `efficient`, `math` (a name or a list); null lets
-        PyTorch pick. cudnn and efficient
-        need CUDA (checked before the run). docs/gpu.md says which is fastest where.
+        PyTorch pick. cudnn and efficient need CUDA (checked before the run). docs/gpu.md says
+        which is fastest where.
     """
 
     first_stage_fp32: bool = True

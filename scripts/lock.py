@@ -71,11 +71,12 @@ def lock_text(freeze: str) -> str:
 
 def not_held(hold: list[str], pins: dict[str, str]) -> list[str]:
     """The `--hold` specs the resolved pins do not show: a misspelt name constrains nothing."""
-    return [
-        spec
-        for spec in hold
-        if pins.get(normalise(spec.split("==", 1)[0])) != spec.split("==", 1)[1].strip()
-    ]
+    missing = []
+    for spec in hold:
+        name, version = spec.split("==", 1)
+        if pins.get(normalise(name)) != version.strip():
+            missing.append(spec)
+    return missing
 
 
 def install_steps(py: str, torch_spec: str, held: Path | None = None) -> list[list[str]]:
