@@ -32,6 +32,25 @@ def failure_lines(stderr: str, tail: int = 3000) -> str:
     return "\n".join(said[:40]) + "\n--- the end ---\n" + stderr[-tail:]
 
 
+def with_port(port: int | None) -> dict | None:
+    """This environment with MASTER_PORT set to `port` (None: inherited as it is)."""
+    return {**os.environ, "MASTER_PORT": str(port)} if port else None
+
+
+def start_main(args: list[str], cwd: Path, stderr: Path, port: int | None = None):
+    """Start `python main.py ARGS` in the background, its stderr into the file `stderr` (no pipe
+    to fill while nobody reads it), with its own rendezvous port (`free_ports`) when given: runs
+    launched side by side could otherwise pick the same free one."""
+    with stderr.open("w") as err:
+        return subprocess.Popen(
+            [sys.executable, str(ROOT / "main.py"), *args],
+            cwd=cwd,
+            env=with_port(port),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
+
+
 def run_main(
     args: list[str], cwd: Path, timeout: float = 300, **kwargs
 ) -> subprocess.CompletedProcess:

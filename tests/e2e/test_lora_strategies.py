@@ -3,15 +3,11 @@ the run trains the adapters and nothing else, its checkpoint (a file, or DeepSpe
 merged by `lun.strategies.load_training_checkpoint`) is the original layout plus `lora.*`, with
 the EMA of the adapters, and `scripts/lora.py export` writes the kohya file of those adapters."""
 
-import os
-import subprocess
-import sys
-
 import lora as lora_script
 import pytest
 import torch
 from lora_helpers import build
-from run_helpers import ROOT, failure_lines, free_ports
+from run_helpers import ROOT, failure_lines, free_ports, start_main
 from safetensors.torch import load_file
 
 from ldm import checkpoint
@@ -49,14 +45,8 @@ def launched(request, tmp_path_factory, shapes_dir):
         args += [f"data.params.train.params.data_root={shapes_dir}"]
         args += ["-l", str(tmp_path / "logs"), "-n", "run"]
         args += [f"model.params.lora={LORA}", f"model.params.ckpt_path={base}"]
-        with (tmp_path / "stderr.txt").open("w") as err:
-            process = subprocess.Popen(
-                [sys.executable, str(ROOT / "main.py"), *args, "model.params.use_ema=true", "-t"],
-                cwd=tmp_path,
-                env={**os.environ, "MASTER_PORT": str(port)},
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
+        args += ["model.params.use_ema=true", "-t"]
+        process = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
         runs[preset] = (tmp_path, process, start)
     yield runs
     for _, process, _ in runs.values():  # a test that failed first leaves no run going

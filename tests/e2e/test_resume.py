@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import ROOT, failure_lines, free_ports, run_main
+from run_helpers import ROOT, failure_lines, free_ports, run_main, start_main, with_port
 
 import ldm.optim
 from ldm.util import instantiate_from_config
@@ -72,14 +72,14 @@ def training_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def kill_after_first_checkpoint(
-    args: list[str], cwd: Path, logs: Path, every: int, env: dict | None = None
+    args: list[str], cwd: Path, logs: Path, every: int, port: int | None = None
 ) -> Path:
     """Run the launcher, SIGKILL its whole process group (every rank) once it has written a
     periodic checkpoint, and return that checkpoint."""
     process = subprocess.Popen(
         [sys.executable, str(ROOT / "main.py"), *args],
         cwd=cwd,
-        env=env,
+        env=with_port(port),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -107,24 +107,16 @@ def assert_resume_is_exact(
     idle: DDP's rank 1 is started only once rank 0 is set up), each with a rendezvous port of its
     own (Lightning's pick of a free one could give both the same)."""
     ports = free_ports(2) if side_by_side else [None, None]
-    envs = [{**os.environ, "MASTER_PORT": str(port)} if port else None for port in ports]
     straight_args = demo_args(shapes_dir, tmp_path / "straight", every, *extra)
     straight_err = tmp_path / "straight.err"
-    with straight_err.open("w") as err:
-        straight = subprocess.Popen(
-            [sys.executable, str(ROOT / "main.py"), *straight_args],
-            cwd=tmp_path,
-            env=envs[0],
-            stdout=subprocess.DEVNULL,
-            stderr=err,
-        )
+    straight = start_main(straight_args, tmp_path, straight_err, ports[0])
     if not side_by_side:
         straight.wait(timeout=600)
 
     logs = tmp_path / "interrupted"
     args = demo_args(shapes_dir, logs, every, *extra)
     try:
-        checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every, envs[1])
+        checkpoint = kill_after_first_checkpoint(args, tmp_path, logs, every, ports[1])
     finally:
         straight.wait(timeout=600)
     assert straight.returncode == 0, straight_err.read_text()[-3000:]

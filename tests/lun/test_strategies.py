@@ -3,7 +3,6 @@ real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulat
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
 import importlib.util
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch import seed_everything
 from lightning.pytorch.strategies import DDPStrategy
-from run_helpers import failure_lines, free_ports
+from run_helpers import failure_lines, free_ports, start_main
 from safetensors.torch import load_file
 from strategy_checks import one_step, tiny_model
 from torch.testing import assert_close
@@ -278,14 +277,7 @@ def first_runs(request, tmp_path_factory, shapes_dir):
             *training_args(shapes_dir, tmp_path / "logs"),
             "-t",
         ]
-        with (tmp_path / "stderr.txt").open("w") as err:
-            process = subprocess.Popen(
-                [sys.executable, str(ROOT / "main.py"), *args],
-                cwd=tmp_path,
-                env={**os.environ, "MASTER_PORT": str(port)},
-                stdout=subprocess.DEVNULL,
-                stderr=err,
-            )
+        process = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
         runs[preset, precision] = (tmp_path, process)
     yield runs
     for _, process in runs.values():  # a test that failed first leaves no run going
