@@ -1,6 +1,6 @@
 """Encode a training set once: VAE latents (and text-encoder outputs) into a reusable cache.
 
-    python scripts/cache_latents.py --base configs/stable-diffusion/v1-finetune.yaml mine.yaml \
+    python scripts/cache_latents.py --base configs/stable-diffusion/v1-finetune.yaml mine.yaml \\
         --out cache/mine [--text] [--sample] [--processes 2]
     torchrun --nproc-per-node 4 scripts/cache_latents.py --base ... --out cache/mine
     # then train with it:
