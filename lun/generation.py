@@ -361,7 +361,7 @@ def generate(
         grid_count = len(list(outdir.glob("grid-*.png")))
         grid = make_grid(torch.cat(all_images), nrow=args.n_samples)
         save_png(Image.fromarray(grid), outdir / f"grid-{grid_count:04d}.png")
-    print(f"wrote {len(written)} images to {sample_dir}")
+    print(f"wrote {len(written)} image{'' if len(written) == 1 else 's'} to {sample_dir}")
     return written
 
 
