@@ -121,6 +121,8 @@ def load_model(args) -> LatentModel:
         raise FileNotFoundError(f"--vae {args.vae}: no such file")
     if folder and not args.config:
         raise ValueError(f"{ckpt}: a diffusers folder needs --config (the model's YAML)")
+    if not args.config:  # a VAE or LoRA file is named as such, not asked for its config
+        check_model_file(ckpt, None, "--ckpt", args.unsafe_load)
     cfg = model_config(args)
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)
@@ -137,7 +139,9 @@ def check_model_file(path, expected: str | None, what: str, unsafe: bool = False
     """A diffusion model's file, of the `expected` family when known, read from its keys before
     anything is built: a VAE, a LoRA file or another family's checkpoint is one line."""
     found = family.file_family(path, unsafe)
-    if expected is None and found in (family.VAE, family.LORA):
+    # No diffusion family to compare with (a model of our own making, or a VAE run's folder
+    # whose saved config is the VAE's): a VAE or LoRA file is still no model to sample.
+    if expected in (None, family.VAE, family.LORA) and found in (family.VAE, family.LORA):
         expected_text = "a diffusion model checkpoint"
         checkpoint.check_family(path, found, "model", what, expected_text)
     checkpoint.check_family(path, found, expected, what)
@@ -357,7 +361,7 @@ def generate(
         grid_count = len(list(outdir.glob("grid-*.png")))
         grid = make_grid(torch.cat(all_images), nrow=args.n_samples)
         save_png(Image.fromarray(grid), outdir / f"grid-{grid_count:04d}.png")
-    print(f"wrote {len(written)} images to {sample_dir}")
+    print(f"wrote {len(written)} image{'' if len(written) == 1 else 's'} to {sample_dir}")
     return written
 
 

@@ -1,6 +1,6 @@
 """Encode a training set once: VAE latents (and text-encoder outputs) into a reusable cache.
 
-    python scripts/cache_latents.py --base configs/stable-diffusion/v1-finetune.yaml mine.yaml \
+    python scripts/cache_latents.py --base configs/stable-diffusion/v1-finetune.yaml mine.yaml \\
         --out cache/mine [--text] [--sample] [--processes 2]
     torchrun --nproc-per-node 4 scripts/cache_latents.py --base ... --out cache/mine
     # then train with it:
@@ -17,6 +17,7 @@ how the keys are made.
 import argparse
 import logging
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,15 @@ def pick_device(name: str | None, rank: int):
     return torch.device("cpu")
 
 
+def made_with(opt, dotlist) -> list[str]:
+    """What the cache's refresh command repeats (the training-side check prints `python
+    scripts/cache_latents.py --base <these> --out DIR`): the configs and `key=value` overrides as
+    they were typed - a `data_root` given on the command line included - and the flags that
+    decide what is cached, each quoted for a shell."""
+    flags = [flag for flag, on in (("--text", opt.text), ("--sample", opt.sample)) if on]
+    return [shlex.quote(arg) for arg in [*opt.base, *dotlist, *flags]]
+
+
 def run(opt, dotlist) -> int:
     import torch
     from lightning.pytorch import seed_everything
@@ -133,7 +143,7 @@ def run(opt, dotlist) -> int:
     except ValueError:
         previous = None  # not ours, or another version: everything is encoded again
     plan = build.make_plan(dataset, fingerprints, previous, opt.text, opt.out, opt.shard_size)
-    plan.made_with = [p if not os.path.isabs(p) else os.path.basename(p) for p in opt.base]
+    plan.made_with = made_with(opt, dotlist)
     if opt.text:
         plan.text_fields = sorted(model.encode_captions([""]))
     if rank == 0:

@@ -1,6 +1,6 @@
 """Turn an image into another: noise it to `--strength` and denoise it towards the prompt.
 
-    python scripts/img2img.py --ckpt logs/<run>/checkpoints/last.ckpt --init-img sketch.png \
+    python scripts/img2img.py --ckpt logs/<run>/checkpoints/last.ckpt --init-img sketch.png \\
         --prompt "a blue square on a white background" --strength 0.6
 """
 

@@ -1,7 +1,7 @@
 """Know your data before you train: counts per filter rule, captions and token lengths, scores,
 buckets and (with --decode) image sizes, modes, slow files and duplicates.
 
-    python scripts/inspect_data.py --base configs/my.yaml [key=value ...] [--decode] \
+    python scripts/inspect_data.py --base configs/my.yaml [key=value ...] [--decode] \\
         [--out reports/mine] [--world-size 8]
 
 The configs merge as main.py merges them; the datasets are built as training builds them (no

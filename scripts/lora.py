@@ -7,7 +7,7 @@
     python scripts/lora.py export logs/<run>/checkpoints/last.ckpt out.safetensors --format diffusers
     # the run's adapters (and/or any kohya files) merged into an original-layout checkpoint
     python scripts/lora.py merge logs/<run>/checkpoints/last.ckpt merged.safetensors --weight 0.8
-    python scripts/lora.py merge --config configs/stable-diffusion/v1-inference.yaml \
+    python scripts/lora.py merge --config configs/stable-diffusion/v1-inference.yaml \\
         v1-5-pruned.safetensors merged.safetensors --lora other.safetensors:0.7
 
 --ema takes the EMA of the adapters (when the checkpoint has it).

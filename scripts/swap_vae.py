@@ -1,6 +1,6 @@
 """Put a trained VAE into a Stable Diffusion checkpoint, or write it alone.
 
-    python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt \
+    python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt \\
         --ckpt v1-5-pruned.safetensors --out v1-5-myvae.safetensors
     python scripts/swap_vae.py --vae logs/<vae run>/checkpoints/last.ckpt --out myvae.safetensors
 

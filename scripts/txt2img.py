@@ -1,8 +1,8 @@
 """Generate images from a prompt with a trained (or original SD) checkpoint.
 
-    python scripts/txt2img.py --ckpt logs/<run>/checkpoints/last.ckpt --prompt "a red circle" \
+    python scripts/txt2img.py --ckpt logs/<run>/checkpoints/last.ckpt --prompt "a red circle" \\
         --sampler dpmpp_2m --karras --steps 20 --scale 7 --n-samples 4
-    python scripts/txt2img.py --config configs/stable-diffusion/v1-inference.yaml \
+    python scripts/txt2img.py --config configs/stable-diffusion/v1-inference.yaml \\
         --ckpt v1-5-pruned-emaonly.safetensors --prompt "a photo of an astronaut"
 """
 
