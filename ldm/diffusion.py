@@ -70,6 +70,9 @@ FLAT_KEYS = {
 def grouped_settings(flat: Mapping, objective: Mapping | None, speed: Mapping | None):
     """(objective, speed) settings with the flat keys moved into their group; an unknown key
     (or one given both ways) is a ParamError naming it."""
+    for name, group in (("objective", objective), ("speed", speed)):
+        if group is not None and not isinstance(group, Mapping):
+            raise ParamError(f"{name}: expected a mapping of its settings, got {group!r}")
     groups = {"objective": dict(objective or {}), "speed": dict(speed or {})}
     for name, value in flat.items():
         if name not in FLAT_KEYS:
