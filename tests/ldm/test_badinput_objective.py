@@ -30,7 +30,9 @@ BAD_SCHEDULES = [
 ]
 
 
-@pytest.mark.parametrize(("schedule", "message"), BAD_SCHEDULES, ids=[m[:30] for _, m in BAD_SCHEDULES])
+@pytest.mark.parametrize(
+    ("schedule", "message"), BAD_SCHEDULES, ids=[m[:30] for _, m in BAD_SCHEDULES]
+)
 def test_a_bad_flow_schedule_is_a_value_error_naming_the_key(schedule, message):
     with pytest.raises(ValueError, match=f"^{message}"):
         objectives.build("flow", {"schedule": schedule})
@@ -74,10 +76,14 @@ def test_a_folder_given_as_weights_file_is_named(tmp_path, key):
     params = {"ckpt_path": str(tmp_path / "images")}
     if key != "ckpt_path":
         params = {"first_stage_config": {"params": params}}
-    with pytest.raises(WrongFileError, match=f"^model.params.{key}: .*images is a folder; expected"):
+    with pytest.raises(
+        WrongFileError, match=f"^model.params.{key}: .*images is a folder; expected"
+    ):
         check_config_files({"target": "ldm.diffusion.LatentDiffusion", "params": params})
 
 
 def test_a_diffusers_folder_is_still_a_model(tmp_path):
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    check_config_files({"target": "ldm.diffusion.LatentDiffusion", "params": {"ckpt_path": str(tmp_path)}})
+    check_config_files(
+        {"target": "ldm.diffusion.LatentDiffusion", "params": {"ckpt_path": str(tmp_path)}}
+    )
