@@ -1,0 +1,84 @@
+"""Backbone and conditioner values that cannot make a model - a word where a number goes, a
+zero width or patch, a latent larger than the position table - are one ValueError naming the
+parameter, before anything is built, instead of a TypeError or ZeroDivisionError inside the
+constructor or a failure at the first training step (all tracebacks)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from ldm.conditioning_sd3 import SD3Conditioner
+from ldm.config_errors import ParamError
+from ldm.diffusion import LatentDiffusion
+from ldm.flux import Flux
+from ldm.mmdit import MMDiT
+from ldm.util import instantiate_from_config
+
+MMDIT = {"depth": 2, "hidden_size": 32, "num_heads": 2, "context_dim": 48, "pooled_dim": 40,
+         "pos_embed_max_size": 16, "sample_size": 16}  # fmt: skip
+FLUX = {"depth": 1, "depth_single_blocks": 1, "hidden_size": 32, "num_heads": 2,
+        "axes_dim": [4, 6, 6], "context_dim": 48, "pooled_dim": 16, "sample_size": 16}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("target", "params", "message"),
+    [
+        ("ldm.mmdit.MMDiT", {**MMDIT, "depth": "abc"}, "ldm.mmdit.MMDiT: depth='abc': expected a whole number"),
+        ("ldm.mmdit.MMDiT", {**MMDIT, "hidden_size": 32.5}, "hidden_size=32.5: expected a whole number"),
+        ("ldm.flux.Flux", {**FLUX, "num_heads": [2]}, r"ldm.flux.Flux: num_heads=\[2\]: expected a whole number"),
+        ("ldm.flux.Flux", {**FLUX, "guidance_embed": "yes"}, "guidance_embed='yes': expected true or false"),
+        ("ldm.conditioning_sd3.SD3Conditioner", {"drop_rate": "abc"}, "drop_rate='abc': expected a number"),
+    ],
+)  # fmt: skip
+def test_a_word_where_the_signature_wants_a_number_is_a_param_error(target, params, message):
+    with pytest.raises(ParamError, match=message):
+        instantiate_from_config({"target": target, "params": params})
+
+
+def test_numbers_in_the_forms_configs_write_them_still_build():
+    """An int for a float, None for an optional, a float for a float."""
+    params = {**MMDIT, "mlp_ratio": 4, "out_channels": None}
+    assert isinstance(
+        instantiate_from_config({"target": "ldm.mmdit.MMDiT", "params": params}), MMDiT
+    )
+    params = {**FLUX, "theta": 10000, "guidance": 3.5}
+    assert isinstance(instantiate_from_config({"target": "ldm.flux.Flux", "params": params}), Flux)
+
+
+@pytest.mark.parametrize(
+    ("backbone", "params", "message"),
+    [
+        (MMDiT, {**MMDIT, "sample_size": 0}, "sample_size=0: expected a whole number >= 1"),
+        (MMDiT, {**MMDIT, "patch_size": 0}, "patch_size=0: expected a whole number >= 1"),
+        (MMDiT, {**MMDIT, "context_dim": 0}, "context_dim=0: expected a whole number >= 1"),
+        (MMDiT, {**MMDIT, "pos_embed_max_size": -1}, "pos_embed_max_size=-1: expected"),
+        (Flux, {**FLUX, "num_heads": 0}, "num_heads=0: expected a whole number >= 1"),
+        (Flux, {**FLUX, "pooled_dim": 0}, "pooled_dim=0: expected a whole number >= 1"),
+        (Flux, {**FLUX, "depth": -1}, "depth=-1: expected a whole number >= 0"),
+    ],
+)
+def test_a_size_below_one_is_named(backbone, params, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        backbone(**params)
+
+
+def test_sd3_t5_tokens_must_not_be_negative():
+    with pytest.raises(ValueError, match="^t5_tokens=-3: expected a whole number >= 0"):
+        SD3Conditioner(t5_tokens=-3)
+
+
+def test_an_image_larger_than_the_position_table_is_refused_by_latent_shape():
+    """MMDiT's table reaches pos_embed_max_size * patch_size latent pixels; LatentDiffusion says
+    it in image pixels (the rule the launcher and txt2img check sizes by)."""
+    assert MMDiT(**{**MMDIT, "pos_embed_max_size": 4}).max_latent_side == 8
+    model = SimpleNamespace(
+        size_multiple=4,
+        downscale=2,
+        latent_channels=16,
+        backbone=SimpleNamespace(max_latent_side=8),
+    )
+    assert LatentDiffusion.latent_shape(model, 16, 12) == (16, 8, 6)
+    with pytest.raises(ValueError, match="^height and width must be at most 16 for this model"):
+        LatentDiffusion.latent_shape(model, 16, 20)
+    model.backbone = SimpleNamespace()  # no table (UNet, Flux's RoPE): any multiple fits
+    assert LatentDiffusion.latent_shape(model, 400, 20) == (16, 200, 10)
