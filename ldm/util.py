@@ -1,5 +1,6 @@
 """Building objects from `target:` / `params:` configs - the only reflection in the repo."""
 
+import collections.abc
 import difflib
 import importlib
 import inspect
@@ -100,12 +101,13 @@ def _check_params(target: str, obj, params: dict) -> None:
         raise ParamError(f"{target}: {err}") from None
     for name, value in params.items():
         if name in accepted and not _fits_annotation(value, accepted[name].annotation):
-            kind = NUMBER_KINDS[_plain(accepted[name].annotation)]
+            kind = NUMBER_KINDS.get(_plain(accepted[name].annotation), "a list")
             raise ParamError(f"{target}: {name}={value!r}: expected {kind}")
 
 
 # What a parameter annotated with one of these types takes from a config, and how to say it.
 NUMBER_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
+SEQUENCES = (collections.abc.Sequence, list, tuple)  # `Sequence[int]`, `list[str]`, ...
 
 
 def _plain(annotation):
@@ -121,6 +123,9 @@ def _fits_annotation(value, annotation) -> bool:
     list or a mapping where the signature wants a number is a config mistake (`depth: abc`)
     that would otherwise be a TypeError inside the constructor. Only that is refused: an int
     for a float, None (many signatures default to it) or an int for a bool pass."""
+    if value is not None and typing.get_origin(annotation) in SEQUENCES:
+        # `axes_dim: abc`, `dual_attention_layers: 3` (an OmegaConf ListConfig is a Sequence)
+        return isinstance(value, collections.abc.Sequence) and not isinstance(value, str | bytes)
     kind = _plain(annotation)
     if kind is None or value is None:
         return True

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ldm.compat import latent_diffusion_params
 from ldm.conditioning_sd3 import SD3Conditioner
 from ldm.config_errors import ParamError
 from ldm.diffusion import LatentDiffusion
@@ -28,6 +29,8 @@ FLUX = {"depth": 1, "depth_single_blocks": 1, "hidden_size": 32, "num_heads": 2,
         ("ldm.flux.Flux", {**FLUX, "num_heads": [2]}, r"ldm.flux.Flux: num_heads=\[2\]: expected a whole number"),
         ("ldm.flux.Flux", {**FLUX, "guidance_embed": "yes"}, "guidance_embed='yes': expected true or false"),
         ("ldm.conditioning_sd3.SD3Conditioner", {"drop_rate": "abc"}, "drop_rate='abc': expected a number"),
+        ("ldm.flux.Flux", {**FLUX, "axes_dim": "abc"}, "ldm.flux.Flux: axes_dim='abc': expected a list"),
+        ("ldm.mmdit.MMDiT", {**MMDIT, "dual_attention_layers": 0}, "dual_attention_layers=0: expected a list"),
     ],
 )  # fmt: skip
 def test_a_word_where_the_signature_wants_a_number_is_a_param_error(target, params, message):
@@ -82,3 +85,9 @@ def test_an_image_larger_than_the_position_table_is_refused_by_latent_shape():
         LatentDiffusion.latent_shape(model, 16, 20)
     model.backbone = SimpleNamespace()  # no table (UNet, Flux's RoPE): any multiple fits
     assert LatentDiffusion.latent_shape(model, 400, 20) == (16, 200, 10)
+
+
+@pytest.mark.parametrize("schedule", [5, "abc", ["shift"]])
+def test_a_schedule_that_is_no_mapping_is_named(schedule):
+    with pytest.raises(ParamError, match="^schedule: expected a mapping of its settings"):
+        latent_diffusion_params({"schedule": schedule, "parameterization": "flow"})
