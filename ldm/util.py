@@ -77,11 +77,11 @@ def instantiate_from_config(config: Mapping, **extra_params):
     if translate is not None:
         params = translate(params)
     obj = get_obj_from_str(target)
-    _check_params(target, obj, params)
+    check_params(target, obj, params)
     return obj(**params)
 
 
-def _check_params(target: str, obj, params: dict) -> None:
+def check_params(target: str, obj, params: dict) -> None:
     """Raise ParamError for a name the target does not take (with the nearest one) or a
     required one that is missing."""
     try:
@@ -102,7 +102,7 @@ def _check_params(target: str, obj, params: dict) -> None:
     for name, value in params.items():
         if name in accepted and not _fits_annotation(value, accepted[name].annotation):
             kind = NUMBER_KINDS.get(_plain(accepted[name].annotation), "a list")
-            raise ParamError(f"{target}: {name}={value!r}: expected {kind}")
+            raise ParamError(f"{name}={value!r}: expected {kind} ({target})")
 
 
 # What a parameter annotated with one of these types takes from a config, and how to say it.

@@ -13,6 +13,7 @@ from ldm.config_errors import ParamError
 from ldm.diffusion import LatentDiffusion
 from ldm.flux import Flux
 from ldm.mmdit import MMDiT
+from ldm.optim import check_optimizer_settings
 from ldm.util import instantiate_from_config
 
 MMDIT = {"depth": 2, "hidden_size": 32, "num_heads": 2, "context_dim": 48, "pooled_dim": 40,
@@ -24,12 +25,12 @@ FLUX = {"depth": 1, "depth_single_blocks": 1, "hidden_size": 32, "num_heads": 2,
 @pytest.mark.parametrize(
     ("target", "params", "message"),
     [
-        ("ldm.mmdit.MMDiT", {**MMDIT, "depth": "abc"}, "ldm.mmdit.MMDiT: depth='abc': expected a whole number"),
+        ("ldm.mmdit.MMDiT", {**MMDIT, "depth": "abc"}, "^depth='abc': expected a whole number \\(ldm.mmdit.MMDiT\\)"),
         ("ldm.mmdit.MMDiT", {**MMDIT, "hidden_size": 32.5}, "hidden_size=32.5: expected a whole number"),
-        ("ldm.flux.Flux", {**FLUX, "num_heads": [2]}, r"ldm.flux.Flux: num_heads=\[2\]: expected a whole number"),
+        ("ldm.flux.Flux", {**FLUX, "num_heads": [2]}, r"^num_heads=\[2\]: expected a whole number \(ldm.flux.Flux\)"),
         ("ldm.flux.Flux", {**FLUX, "guidance_embed": "yes"}, "guidance_embed='yes': expected true or false"),
         ("ldm.conditioning_sd3.SD3Conditioner", {"drop_rate": "abc"}, "drop_rate='abc': expected a number"),
-        ("ldm.flux.Flux", {**FLUX, "axes_dim": "abc"}, "ldm.flux.Flux: axes_dim='abc': expected a list"),
+        ("ldm.flux.Flux", {**FLUX, "axes_dim": "abc"}, "^axes_dim='abc': expected a list \\(ldm.flux.Flux\\)"),
         ("ldm.mmdit.MMDiT", {**MMDIT, "dual_attention_layers": 0}, "dual_attention_layers=0: expected a list"),
     ],
 )  # fmt: skip
@@ -91,3 +92,27 @@ def test_an_image_larger_than_the_position_table_is_refused_by_latent_shape():
 def test_a_schedule_that_is_no_mapping_is_named(schedule):
     with pytest.raises(ParamError, match="^schedule: expected a mapping of its settings"):
         latent_diffusion_params({"schedule": schedule, "parameterization": "flow"})
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "scheduler", "message"),
+    [
+        ({"target": "adamw9"}, None, "optimizer_config.target='adamw9': expected adamw or adamw8bit"),
+        ({"target": "nopackage.Adam"}, None, "optimizer_config.target: 'nopackage.Adam' needs the package"),
+        ({"params": {"weight_decay": "abc"}}, None, "optimizer_config: weight_decay='abc': expected a number \\(torch.optim.AdamW\\)"),
+        ({"params": {"wd": 0.1}}, None, "optimizer_config: torch.optim.AdamW: unknown parameter 'wd'"),
+        (None, {"target": "nothing.Here"}, "scheduler_config: target 'nothing.Here': no module"),
+        (None, {"target": "ldm.optim.WarmupScheduler", "params": {"kind": "cosin"}}, "scheduler_config: .*kind"),
+    ],
+)  # fmt: skip
+def test_optimizer_and_schedule_are_checked_before_fit(optimizer, scheduler, message):
+    """Built only in configure_optimizers (inside fit): checked when the module is built."""
+    with pytest.raises(ValueError, match=f"^{message}"):
+        check_optimizer_settings(optimizer, scheduler)
+
+
+def test_the_optimizers_the_configs_name_pass():
+    for target in ("adamw", "adamw8bit", "torch.optim.SGD"):
+        check_optimizer_settings({"target": target, "params": {"weight_decay": 0.01}}, None)
+    schedule = {"target": "ldm.optim.WarmupScheduler", "params": {"warmup_steps": 10}}
+    check_optimizer_settings(None, schedule)
