@@ -245,7 +245,13 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
 
     from lun.data.latent_cache import check_cached_data
     from lun.run import check_strategy_fits
-    from lun.trainer import build_data, build_model, build_trainer, clipping_problem
+    from lun.trainer import (
+        build_data,
+        build_model,
+        build_trainer,
+        clipping_problem,
+        image_size_problem,
+    )
 
     config = launch.config
     model_params = config["model"].setdefault("params", {})
@@ -261,8 +267,9 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
         model = build_model(config["model"])
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
         check_strategy_fits(model, trainer.strategy, resuming=launch.ckpt_path is not None)
-        if problem := clipping_problem(model, trainer):
-            raise ConfigError(problem)
+        for problem in (clipping_problem(model, trainer), image_size_problem(model, data)):
+            if problem:
+                raise ConfigError(problem)
         if launch.remote is not None:
             launch.remote.attach(trainer)
     except ValueError as err:  # what lun.trainer's builders did not already name

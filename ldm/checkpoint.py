@@ -62,6 +62,15 @@ def check_config_files(
             value = value.get(part) if isinstance(value, Mapping) else None
         if value and not Path(value).exists():
             raise WrongFileError(f"model.params.{key}: {value}: no such file")
+        # A folder is a model only as a diffusers pipeline (`load_weights` reads those).
+        if value and Path(value).is_dir():
+            if key == "ckpt_path" and diffusers.is_diffusers_folder(value):
+                continue
+            also = " or a diffusers folder (model_index.json)" if key == "ckpt_path" else ""
+            raise WrongFileError(
+                f"model.params.{key}: {value} is a folder; expected a weights file "
+                f"(.safetensors / .ckpt){also}"
+            )
     named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
     named[resume_flag] = resume
     named = {what: path for what, path in named.items() if path}

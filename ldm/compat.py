@@ -89,7 +89,10 @@ def latent_diffusion_params(params: Mapping) -> dict:
             if new in params:
                 raise ParamError(f"LatentDiffusion: give {new} or {old}, not both")
             params[new] = params.pop(old)
-    schedule = dict(params.pop("schedule", None) or {})
+    schedule = params.pop("schedule", None)
+    if schedule is not None and not isinstance(schedule, Mapping):
+        raise ParamError(f"schedule: expected a mapping of its settings, got {schedule!r}")
+    schedule = dict(schedule or {})
     schedule.update({k: params.pop(k) for k in SCHEDULE_KEYS if k in params})
     if schedule:
         params["schedule"] = schedule

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
+from ldm.config_errors import check_whole_numbers
 from ldm.text_encoder import (
     CLIP_VIT_L14_TEXT_CONFIG,
     FrozenCLIPEmbedder,
@@ -168,6 +169,7 @@ class SD3Conditioner(nn.Module):
         if not 0.0 <= drop_rate <= 1.0:
             raise ValueError(f"conditioner_config.params.drop_rate: {drop_rate} not in [0, 1]")
         self.drop_rate = float(drop_rate)
+        check_whole_numbers(0, t5_tokens=t5_tokens)  # 0: no T5 tokens at all
         self.clip_l = SD3CLIPEmbedder(**dict(clip_l or {}))
         self.clip_g = SD3CLIPEmbedder(
             **{"projection": True, "pad_with_zeros": True, **dict(clip_g or {})}

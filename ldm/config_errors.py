@@ -8,3 +8,12 @@ class TargetError(ValueError):
 
 class ParamError(TargetError, TypeError):
     """`params:` that the target's signature does not take (unknown or missing names)."""
+
+
+def check_whole_numbers(minimum: int = 1, **values) -> None:
+    """ValueError naming the first of `values` (a constructor's sizes: widths, depths, patch
+    sides) that is not a whole number >= minimum - a zero width would otherwise build a model
+    that fails at its first step, a zero patch a ZeroDivisionError."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"{name}={value!r}: expected a whole number >= {minimum}")

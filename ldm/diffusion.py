@@ -22,7 +22,7 @@ from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
 from ldm.model_contract import LatentModelContract
-from ldm.optim import build_optimizer, build_scheduler
+from ldm.optim import build_optimizer, build_scheduler, check_optimizer_settings
 from ldm.util import ParamError, instantiate_from_config
 from ldm.validation import FixedNoiseValidation
 
@@ -70,6 +70,9 @@ FLAT_KEYS = {
 def grouped_settings(flat: Mapping, objective: Mapping | None, speed: Mapping | None):
     """(objective, speed) settings with the flat keys moved into their group; an unknown key
     (or one given both ways) is a ParamError naming it."""
+    for name, group in (("objective", objective), ("speed", speed)):
+        if group is not None and not isinstance(group, Mapping):
+            raise ParamError(f"{name}: expected a mapping of its settings, got {group!r}")
     groups = {"objective": dict(objective or {}), "speed": dict(speed or {})}
     for name, value in flat.items():
         if name not in FLAT_KEYS:
@@ -183,6 +186,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         kernels = speed.attention_kernels
         self.sdpa_kernels = None if kernels is None else sdpa_kernels(kernels)
         self.learning_rate = learning_rate
+        check_optimizer_settings(optimizer_config, scheduler_config)
         self.optimizer_config, self.scheduler_config = optimizer_config, scheduler_config
 
         # Submodule names are the original checkpoints' (see ldm.checkpoint).
@@ -260,6 +264,13 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
             raise ValueError(
                 f"height and width must be multiples of {self.size_multiple} for this model, "
                 f"got {height}x{width}"
+            )
+        # A backbone with a fixed position table (MMDiT) takes latents up to a side.
+        largest = getattr(self.backbone, "max_latent_side", None)
+        if largest is not None and max(height, width) > largest * self.downscale:
+            raise ValueError(
+                f"height and width must be at most {largest * self.downscale} for this model "
+                f"(its position table), got {height}x{width}"
             )
         return self.latent_channels, height // self.downscale, width // self.downscale
 

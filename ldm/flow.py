@@ -15,7 +15,7 @@ classifier-free guidance and img2img. Random draws use only the `torch.Generator
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -110,7 +110,21 @@ class FlowSchedule:
     patch_size: int = 2
     shift_sampling: bool = True
 
+    @classmethod
+    def from_config(cls, config: Mapping | None) -> "FlowSchedule":
+        """`model.params.schedule` -> the schedule; a mistyped key or a value of the wrong type
+        is a ValueError naming `schedule.<key>` (not a TypeError from the constructor)."""
+        config = {} if config is None else config
+        known = [field.name for field in fields(cls)]
+        if not isinstance(config, Mapping):
+            raise ValueError(f"schedule: expected a mapping of {', '.join(known)}, got {config!r}")
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            raise ValueError(f"schedule.{unknown[0]}: unknown key; known: {', '.join(known)}")
+        return cls(**config)
+
     def __post_init__(self):
+        self._check_types()
         if self.timestep_sampling not in TIMESTEP_SAMPLINGS:
             raise ValueError(
                 f"schedule.timestep_sampling must be one of {TIMESTEP_SAMPLINGS}, "
@@ -120,11 +134,31 @@ class FlowSchedule:
             raise ValueError(f"schedule.shift must be > 0, got {self.shift}")
         if self.logit_std <= 0:
             raise ValueError(f"schedule.logit_std must be > 0, got {self.logit_std}")
+        # f_mode maps [0, 1] onto [0, 1] monotonically only for -1 <= s <= 2 / (pi - 2) (eq. 20).
+        if not -1 <= self.mode_scale <= 2 / (math.pi - 2):
+            raise ValueError(
+                f"schedule.mode_scale must be in [-1, {2 / (math.pi - 2):.3f}], got {self.mode_scale}"
+            )
         if self.use_dynamic_shifting and not self.max_image_seq_len > self.base_image_seq_len:
             raise ValueError(
                 "schedule.max_image_seq_len must be > schedule.base_image_seq_len, got "
                 f"{self.max_image_seq_len} and {self.base_image_seq_len}"
             )
+
+    def _check_types(self) -> None:
+        """Numbers where numbers go, true / false where a switch goes: read from YAML or the
+        command line, `shift: abc` would otherwise fail inside the first training step."""
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if field.type is bool and not isinstance(value, bool):
+                raise ValueError(f"schedule.{field.name} must be true or false, got {value!r}")
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if field.type is float and not number:
+                raise ValueError(f"schedule.{field.name} must be a number, got {value!r}")
+            if field.type is int and not (number and value >= 1 and float(value).is_integer()):
+                raise ValueError(
+                    f"schedule.{field.name} must be a whole number >= 1, got {value!r}"
+                )
 
     def shift_for(self, latent_size: Sequence[int] | None = None) -> float:
         """The shift of a batch of latents of `latent_size` (h, w): the fixed `shift`, or with

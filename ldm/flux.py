@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ldm.config_errors import check_whole_numbers
 from ldm.dit import FinalLayer, layer_norm
 from ldm.flow import dynamic_shift
 from ldm.unet import timestep_embedding
@@ -322,6 +323,15 @@ class Flux(nn.Module):
         use_checkpoint: bool = False,
     ):
         super().__init__()
+        check_whole_numbers(0, depth=depth, depth_single_blocks=depth_single_blocks)
+        check_whole_numbers(
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            in_channels=in_channels,
+            context_dim=context_dim,
+            pooled_dim=pooled_dim,
+            sample_size=sample_size,
+        )
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
         if sum(axes_dim) != hidden_size // num_heads or any(d % 2 for d in axes_dim):

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ldm.config_errors import check_whole_numbers
 from ldm.dit import FinalLayer, Mlp, PatchEmbed, TimestepEmbedder, layer_norm, modulate
 
 HEAD_DIM = 64  # SD3's rule: hidden = 64 * depth, heads = depth (mmditx.py "apply magic")
@@ -296,6 +297,17 @@ class MMDiT(nn.Module):
         super().__init__()
         hidden_size = hidden_size or HEAD_DIM * depth
         num_heads = num_heads or depth
+        check_whole_numbers(
+            depth=depth,
+            patch_size=patch_size,
+            in_channels=in_channels,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            context_dim=context_dim,
+            pooled_dim=pooled_dim,
+            pos_embed_max_size=pos_embed_max_size,
+            sample_size=sample_size,
+        )
         if any(not 0 <= i < depth - 1 for i in dual_attention_layers):
             raise ValueError(
                 f"dual_attention_layers {list(dual_attention_layers)} must name blocks 0..{depth - 2}"
@@ -307,6 +319,7 @@ class MMDiT(nn.Module):
         self.image_size = sample_size
         self.learn_sigma = False
         self.pos_embed_max_size = pos_embed_max_size
+        self.max_latent_side = pos_embed_max_size * patch_size  # the position table's reach
         self.use_checkpoint = use_checkpoint
 
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)

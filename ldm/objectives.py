@@ -53,6 +53,8 @@ class Objective:
     num_timesteps: int  # T: the backbone sees times in [0, T)
 
     def __init__(self, offset_noise: float = 0.0):
+        if isinstance(offset_noise, bool) or not isinstance(offset_noise, int | float):
+            raise ValueError(f"offset_noise={offset_noise!r}: expected a number (0.1 is common)")
         self.offset_noise = offset_noise
 
     def schedule_buffers(self) -> dict[str, torch.Tensor]:
@@ -131,6 +133,14 @@ class DDPM(Objective):
         offset_noise: float = 0.0,
     ):
         super().__init__(offset_noise)
+        if min_snr_gamma is not None and (
+            isinstance(min_snr_gamma, bool)
+            or not isinstance(min_snr_gamma, int | float)
+            or not min_snr_gamma > 0
+        ):
+            raise ValueError(
+                f"min_snr_gamma={min_snr_gamma!r}: expected a number > 0 (5 is the paper's)"
+            )
         self.betas = schedule_betas(**(schedule or {}))
         self.num_timesteps = len(self.betas)
         self.min_snr_gamma = min_snr_gamma
@@ -289,7 +299,7 @@ class RectifiedFlow(Objective):
         if min_snr_gamma is not None:
             raise ValueError("min_snr_gamma is a DDPM weighting: leave it out with 'flow'")
         super().__init__(offset_noise)
-        self.times = flow.FlowSchedule(**(schedule or {}))
+        self.times = flow.FlowSchedule.from_config(schedule)
         # The default DDPM schedule's buffers stay in the module so that checkpoints keep their
         # keys and shapes; the flow reads none of them.
         self.betas = schedule_betas()

@@ -7,7 +7,7 @@ import math
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ldm.util import get_obj_from_str, instantiate_from_config
+from ldm.util import check_params, get_obj_from_str, instantiate_from_config
 
 OPTIMIZER_ALIASES = {
     "adamw": "torch.optim.AdamW",
@@ -39,6 +39,36 @@ def build_optimizer(
     if fuse and target == "torch.optim.AdamW" and not {"fused", "foreach"} & kwargs.keys():
         kwargs["fused"] = all(_has_fused_adamw(p) for p in _tensors(params)) or None
     return get_obj_from_str(target)(params, lr=lr, **kwargs)
+
+
+def check_optimizer_settings(optimizer: dict | None, scheduler: dict | None) -> None:
+    """The optimizer's and LR schedule's configs, checked when the module is built: they are only
+    used in `configure_optimizers`, inside fit, where a mistyped target or a word for a number
+    ends in a traceback. ValueError naming `optimizer_config` / `scheduler_config`."""
+    config = dict(optimizer or {})
+    name = config.get("target", "adamw")
+    target = OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+    if not isinstance(target, str) or "." not in target:
+        raise ValueError(
+            f"optimizer_config.target={name!r}: expected {' or '.join(OPTIMIZER_ALIASES)} or a "
+            "class's dotted path (torch.optim.SGD)"
+        )
+    package = target.split(".")[0]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(
+            f"optimizer_config.target: '{target}' needs the package '{package}': "
+            f"pip install {package}"
+        )
+    try:  # bound to the signature, not built: the module has no parameters to give yet
+        kwargs = {"params": [], "lr": 1.0, **(config.get("params") or {})}
+        check_params(target, get_obj_from_str(target), kwargs)
+    except ValueError as err:
+        raise ValueError(f"optimizer_config: {err}") from err
+    try:
+        if scheduler:
+            instantiate_from_config(scheduler)  # a multiplier: plain Python, cheap to build
+    except ValueError as err:
+        raise ValueError(f"scheduler_config: {err}") from err
 
 
 def _tensors(params):

@@ -1,10 +1,13 @@
 """Building objects from `target:` / `params:` configs - the only reflection in the repo."""
 
+import collections.abc
 import difflib
 import importlib
 import inspect
 import logging
 import pkgutil
+import types
+import typing
 from collections.abc import Mapping
 
 from ldm.compat import (
@@ -74,11 +77,11 @@ def instantiate_from_config(config: Mapping, **extra_params):
     if translate is not None:
         params = translate(params)
     obj = get_obj_from_str(target)
-    _check_params(target, obj, params)
+    check_params(target, obj, params)
     return obj(**params)
 
 
-def _check_params(target: str, obj, params: dict) -> None:
+def check_params(target: str, obj, params: dict) -> None:
     """Raise ParamError for a name the target does not take (with the nearest one) or a
     required one that is missing."""
     try:
@@ -96,3 +99,38 @@ def _check_params(target: str, obj, params: dict) -> None:
         signature.bind(**params)
     except TypeError as err:
         raise ParamError(f"{target}: {err}") from None
+    for name, value in params.items():
+        if name in accepted and not _fits_annotation(value, accepted[name].annotation):
+            kind = NUMBER_KINDS.get(_plain(accepted[name].annotation), "a list")
+            raise ParamError(f"{name}={value!r}: expected {kind} ({target})")
+
+
+# What a parameter annotated with one of these types takes from a config, and how to say it.
+NUMBER_KINDS = {int: "a whole number", float: "a number", bool: "true or false"}
+SEQUENCES = (collections.abc.Sequence, list, tuple)  # `Sequence[int]`, `list[str]`, ...
+
+
+def _plain(annotation):
+    """int, float or bool for `int`, `float | None`, ... (None for any other annotation)."""
+    options = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(options) == 1:
+        annotation = options[0]
+    return annotation if annotation in NUMBER_KINDS else None
+
+
+def _fits_annotation(value, annotation) -> bool:
+    """Whether a config value can be what a number or switch annotation says: a string, a
+    list or a mapping where the signature wants a number is a config mistake (`depth: abc`)
+    that would otherwise be a TypeError inside the constructor. Only that is refused: an int
+    for a float, None (many signatures default to it) or an int for a bool pass."""
+    if value is not None and typing.get_origin(annotation) in SEQUENCES:
+        # `axes_dim: abc`, `dual_attention_layers: 3` (an OmegaConf ListConfig is a Sequence)
+        return isinstance(value, collections.abc.Sequence) and not isinstance(value, str | bytes)
+    kind = _plain(annotation)
+    if kind is None or value is None:
+        return True
+    if kind is bool:
+        return isinstance(value, bool | int)
+    return isinstance(value, int | float) and not (
+        kind is int and isinstance(value, float) and not value.is_integer()
+    )

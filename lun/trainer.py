@@ -408,6 +408,27 @@ def clipping_problem(model, trainer) -> str | None:
     return None
 
 
+def image_size_problem(model, data) -> str | None:
+    """Why an image size of `data`'s datasets cannot go through `model` (None: each fits): a
+    side that is no multiple of the model's size multiple (`latent_shape` says which) would
+    stop the first step, after the run folder was made. The sizes are a dataset's aspect
+    buckets (`bucket_sizes`, (width, height)) or its square `size`; cached latents are checked
+    against the model by their own fingerprint (`check_cached_data`)."""
+    for split, dataset in (getattr(data, "datasets", None) or {}).items():
+        size = getattr(dataset, "size", None)
+        buckets = getattr(dataset, "bucket_sizes", None)
+        sizes = buckets or ([(size, size)] if isinstance(size, int) else [])
+        for width, height in sizes:
+            try:
+                model.latent_shape(height, width)
+            except ValueError as err:
+                key = f"data.params.{split}.params"
+                if len(sizes) > 1 or (width, height) != (size, size):
+                    return f"{key}.buckets: the bucket {width}x{height}: {err}; change buckets.step"
+                return f"{key}.size={size}: {err}"
+    return None
+
+
 class FSDPGradientClipping(Callback):
     """Clip the gradient's total norm (all ranks' shards) to `max_norm` before each optimizer
     step, with FSDP's own `clip_grad_norm_` on the root unit.

@@ -8,7 +8,7 @@ bucket, so batches stack without padding and far less of each image is cropped a
 
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,16 +33,26 @@ class BucketSpec:
     @classmethod
     def from_config(cls, config, size: int) -> "BucketSpec":
         """`buckets: true` for the defaults, or a mapping with any of area / step / max_aspect."""
+        if config is not True and not isinstance(config, Mapping):
+            raise ValueError(
+                f"buckets: expected true or a mapping of area, step, max_aspect, got {config!r}"
+            )
         config = {} if config is True else dict(config)
         unknown = set(config) - {"area", "step", "max_aspect"}
         if unknown:
             raise ValueError(
                 f"buckets: unknown key(s) {sorted(unknown)}; known: area, step, max_aspect"
             )
-        spec = cls(
-            area=int(config.get("area") or size * size),
-            **{k: config[k] for k in config if k != "area"},
-        )
+        config = {key: value for key, value in config.items() if value is not None}
+        for key, kind, what in (
+            ("area", int | float, "a number of pixels"),  # `area: 1e6` is a float
+            ("step", int, "a whole number of pixels"),
+            ("max_aspect", int | float, "a number"),
+        ):
+            value = config.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+                raise ValueError(f"buckets.{key}={value!r}: expected {what}")
+        spec = cls(area=int(config.pop("area", 0) or size * size), **config)
         if spec.step <= 0 or spec.max_aspect < 1 or spec.area < spec.step * spec.step:
             raise ValueError(f"buckets: need step > 0, max_aspect >= 1, area >= step^2; got {spec}")
         return spec

@@ -24,6 +24,7 @@ from lun.data.images import (
     INTERPOLATIONS,
     ImageError,
     check_choice,
+    check_max_pixels,
     load_image_tensor,
 )
 from lun.data.index import walk
@@ -71,7 +72,7 @@ class ClassFolder(torch.utils.data.Dataset):
         self.data_root, self.size, self.flip_p = data_root, size, flip_p
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
-        self.max_image_pixels = max_image_pixels
+        self.max_image_pixels = check_max_pixels(max_image_pixels)
         self.classes = sorted(
             entry.name
             for entry in os.scandir(data_root)

@@ -31,6 +31,7 @@ from lun.data.images import (
     INTERPOLATIONS,
     ImageError,
     check_choice,
+    check_max_pixels,
     load_image_tensor,
 )
 from lun.data.index import is_image, walk
@@ -126,7 +127,8 @@ class DreamBooth(torch.utils.data.Dataset):
     ):
         # Every value is checked before anything is drawn or the run folder exists.
         check_instance_settings(data_root, instance_prompt)
-        self.size, self.flip_p, self.max_image_pixels = size, flip_p, max_image_pixels
+        self.size, self.flip_p = size, flip_p
+        self.max_image_pixels = check_max_pixels(max_image_pixels)
         self.interpolation = check_choice("interpolation", interpolation, INTERPOLATIONS)
         self.crop = check_choice("crop", crop, CROPS)
         self.instance_prompt, self.class_prompt = instance_prompt, class_prompt

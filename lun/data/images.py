@@ -222,3 +222,13 @@ def check_choice(name: str, value: str, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
     return value
+
+
+def check_max_pixels(value) -> int:
+    """`max_image_pixels`: the decompression-bomb limit, a whole number of pixels >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"max_image_pixels={value!r}: expected a whole number of pixels >= 1 "
+            f"(default {DEFAULT_MAX_PIXELS})"
+        )
+    return value

@@ -34,6 +34,7 @@ from lun.data.images import (
     INTERPOLATIONS,
     ImageError,
     check_choice,
+    check_max_pixels,
     decode_image,
     load_image_sample,
 )
@@ -173,7 +174,7 @@ class Local(torch.utils.data.Dataset):
         self.crop = check_choice("crop", crop, CROPS)
         self.missing_caption = check_choice("missing_caption", missing_caption, ("empty", "skip"))
         self.flip_p = flip_p
-        self.max_image_pixels = max_image_pixels
+        self.max_image_pixels = check_max_pixels(max_image_pixels)
         self._listing, self._cache = None, None  # a URL's objects and the local copies read
         if is_url(data_root):
             self._listing, self._cache = {}, FileCache()
