@@ -6,6 +6,7 @@ import importlib.util
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -173,16 +174,6 @@ def test_bf16_mixed_trains_close_to_fp32(baseline_step):
 # --- end to end: 2 processes on CPU, checkpoint, resume, EMA, one exported file ----------------
 
 
-def run_main(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "main.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def training_args(shapes_dir: Path, logs: Path) -> list[str]:
     return [
         f"data.params.train.params.data_root={shapes_dir}",
@@ -202,24 +193,21 @@ def training_args(shapes_dir: Path, logs: Path) -> list[str]:
 TEXT_ENCODER = "cond_stage_model.transformer.text_model."
 
 
-def check_written(run: Path, step: int) -> None:
-    """The run's last.ckpt (a file or a strategy's folder) holds `step` and the text encoder."""
-    saved = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+def check_written(saved: dict, step: int) -> None:
+    """A run's last.ckpt (a file or a strategy's folder, as `load_training_checkpoint` reads
+    it) holds `step` and the text encoder."""
     assert saved["global_step"] == step
     assert any(k.startswith(TEXT_ENCODER + "encoder.layers.") for k in saved["state_dict"])
 
 
-def check_resumed_and_export(
-    tmp_path: Path, run: Path, *overrides: str, ema_exact: bool = True
-) -> None:
-    """Resume the 2-step run to step 3, then export it as one original-layout file."""
-    import convert
+def resume_args(run: Path, *overrides: str) -> list[str]:
+    """Resume the 2-step run to step 3."""
+    return ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"]
 
-    resumed = run_main(
-        ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"], cwd=tmp_path
-    )
-    assert resumed.returncode == 0, failure_lines(resumed.stderr)
-    assert "average restarts" not in resumed.stderr  # the EMA came back from the checkpoint
+
+def check_resumed_and_export(tmp_path: Path, run: Path, ema_exact: bool = True) -> None:
+    """The run resumed to step 3 (`resume_args`); export it as one original-layout file."""
+    import convert
 
     last = run / "checkpoints" / "last.ckpt"
     merged = lun.strategies.load_training_checkpoint(last)
@@ -253,36 +241,71 @@ def check_resumed_and_export(
     load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
 
 
+def train_then_resume(
+    tmp_path: Path, args: list[str], resume_overrides: list[str], ports: list[int], launched: list
+) -> dict:
+    """main.py ARGS (2 steps), its checkpoint read, then its resume to step 3: what the test
+    checks, by phase. Stops at the first launch that fails."""
+    first = start_main(args, tmp_path, tmp_path / "stderr.txt", ports[0])
+    launched.append(first)
+    phases = {"first": first.wait(timeout=600)}
+    if phases["first"] != 0:
+        return phases
+    (run,) = (tmp_path / "logs").iterdir()
+    # Read before the resume writes last.ckpt again.
+    phases["written"] = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+    resumed = start_main(
+        resume_args(run, *resume_overrides), tmp_path, tmp_path / "resumed.txt", ports[1]
+    )
+    launched.append(resumed)
+    phases["resumed"], phases["run"] = resumed.wait(timeout=600), run
+    return phases
+
+
 @pytest.fixture(scope="module")
-def first_runs(request, tmp_path_factory, shapes_dir):
-    """The 2-step 2-process run of each (preset, precision) this session's tests ask for,
-    started at once: a launch leaves a core idle much of its start-up (rank 1 starts once rank
-    0 is set up), so they go side by side, each with a rendezvous port of its own. Their
-    resumes run one at a time, in the tests. (preset, precision) -> (its folder, its process)"""
+def chains(request, tmp_path_factory, shapes_dir):
+    """Each (preset, precision) this session's tests ask for: its 2-step 2-process run, then
+    its resume to step 3 (`train_then_resume`), the chains side by side in threads of this
+    process. A launch leaves a core idle much of its start-up (rank 1 starts once rank 0 is set
+    up): the chains fill each other's idle time, and each launch has a rendezvous port of its
+    own. (preset, precision) -> (its folder, the future of its phases)"""
     wanted = [
-        (item.callspec.params["preset"], item.callspec.params["precision"])
+        item.callspec.params
         for item in request.session.items
         if item.module is request.module
         and item.originalname == "test_two_processes_train_resume_and_export_one_file"
     ]
-    runs = {}
-    for (preset, precision), port in zip(wanted, free_ports(len(wanted)), strict=True):
-        tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
-        args = [
-            "--base",
-            str(TINY),
-            str(PRESETS / f"{preset}.yaml"),
-            *ON_CPU_WITH_2,
-            f"lightning.trainer.precision={precision}",
-            *training_args(shapes_dir, tmp_path / "logs"),
-            "-t",
-        ]
-        process = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
-        runs[preset, precision] = (tmp_path, process)
-    yield runs
-    for _, process in runs.values():  # a test that failed first leaves no run going
-        process.kill()
-        process.wait()
+    ports = free_ports(2 * len(wanted))
+    launched = []  # every process started, for the clean-up
+    chains = {}
+    with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
+        for i, params in enumerate(wanted):
+            preset, precision = params["preset"], params["precision"]
+            tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
+            args = [
+                "--base",
+                str(TINY),
+                str(PRESETS / f"{preset}.yaml"),
+                *ON_CPU_WITH_2,
+                f"lightning.trainer.precision={precision}",
+                *training_args(shapes_dir, tmp_path / "logs"),
+                "-t",
+            ]
+            chain = pool.submit(
+                train_then_resume,
+                tmp_path,
+                args,
+                params["resume_overrides"],
+                ports[2 * i : 2 * i + 2],
+                launched,
+            )
+            chains[preset, precision] = (tmp_path, chain)
+        try:
+            yield chains
+        finally:  # a test that failed first leaves no run going
+            for process in launched:
+                process.kill()
+                process.wait()
 
 
 @pytest.mark.slow
@@ -296,19 +319,21 @@ def first_runs(request, tmp_path_factory, shapes_dir):
     ],
 )
 def test_two_processes_train_resume_and_export_one_file(
-    first_runs, preset, precision, resume_overrides
+    chains, preset, precision, resume_overrides
 ):
-    tmp_path, first = first_runs[preset, precision]  # main.py with "{preset}.yaml"
-    logs = tmp_path / "logs"
-    assert first.wait(timeout=600) == 0, failure_lines((tmp_path / "stderr.txt").read_text())
-    (run,) = logs.iterdir()
-    check_written(run, step=2)
+    tmp_path, chain = chains[preset, precision]  # main.py with "{preset}.yaml", then -r
+    phases = chain.result(timeout=1200)
+    assert phases["first"] == 0, failure_lines((tmp_path / "stderr.txt").read_text())
+    check_written(phases["written"], step=2)
+    resumed_stderr = (tmp_path / "resumed.txt").read_text()
+    assert phases["resumed"] == 0, failure_lines(resumed_stderr)
+    assert "average restarts" not in resumed_stderr  # the EMA came back from the checkpoint
     # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
     # averages those. FSDP's and DDP's mixed precision keep float32 weights.
     ema_exact = not (preset.startswith("deepspeed") and "16" in precision)
-    check_resumed_and_export(tmp_path, run, *resume_overrides, ema_exact=ema_exact)
+    check_resumed_and_export(tmp_path, phases["run"], ema_exact=ema_exact)
     if resume_overrides:
-        assert (run / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # merged from shards
+        assert (phases["run"] / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # shards
 
 
 def free_port() -> int:
@@ -367,7 +392,7 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
-    check_written(runs[0], step=2)
+    check_written(lun.strategies.load_training_checkpoint(runs[0] / "checkpoints" / "last.ckpt"), 2)
 
 
 def test_strategy_kind_names_each_engine_by_lightnings_classes():
