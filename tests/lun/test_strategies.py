@@ -3,7 +3,6 @@ real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulat
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
 import importlib.util
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -242,11 +241,12 @@ def check_resumed_and_export(tmp_path: Path, run: Path, ema_exact: bool = True) 
 
 
 def train_then_resume(
-    tmp_path: Path, args: list[str], resume_overrides: list[str], ports: list[int], launched: list
+    tmp_path: Path, args: list[str], resume_overrides: list[str], port: int, launched: list
 ) -> dict:
-    """main.py ARGS (2 steps), its checkpoint read, then its resume to step 3: what the test
-    checks, by phase. Stops at the first launch that fails."""
-    first = start_main(args, tmp_path, tmp_path / "stderr.txt", ports[0])
+    """main.py ARGS (2 steps) on rendezvous port `port`, its checkpoint read, then its resume
+    to step 3 (on a port picked then: one held unused a minute could be taken meanwhile): what
+    the test checks, by phase. Stops at the first launch that fails."""
+    first = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
     launched.append(first)
     phases = {"first": first.wait(timeout=600)}
     if phases["first"] != 0:
@@ -254,31 +254,37 @@ def train_then_resume(
     (run,) = (tmp_path / "logs").iterdir()
     # Read before the resume writes last.ckpt again.
     phases["written"] = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+    (port,) = free_ports(1)
     resumed = start_main(
-        resume_args(run, *resume_overrides), tmp_path, tmp_path / "resumed.txt", ports[1]
+        resume_args(run, *resume_overrides), tmp_path, tmp_path / "resumed.txt", port
     )
     launched.append(resumed)
     phases["resumed"], phases["run"] = resumed.wait(timeout=600), run
     return phases
 
 
+TWO_NODES_TEST = "test_ddp_on_two_nodes_under_torchrun"
+
+
 @pytest.fixture(scope="module")
 def chains(request, tmp_path_factory, shapes_dir):
     """Each (preset, precision) this session's tests ask for: its 2-step 2-process run, then
-    its resume to step 3 (`train_then_resume`), the chains side by side in threads of this
-    process. A launch leaves a core idle much of its start-up (rank 1 starts once rank 0 is set
-    up): the chains fill each other's idle time, and each launch has a rendezvous port of its
-    own. (preset, precision) -> (its folder, the future of its phases)"""
+    its resume to step 3 (`train_then_resume`); and the two "nodes" of `two_nodes` when its test
+    runs. All side by side in threads of this process: a launch leaves a core idle much of its
+    start-up (rank 1 starts once rank 0 is set up), so they fill each other's idle time, each
+    with a rendezvous port of its own. (preset, precision) or "two_nodes" -> (its folder, the
+    future of what it returns)"""
+    mine = [item for item in request.session.items if item.module is request.module]
     wanted = [
         item.callspec.params
-        for item in request.session.items
-        if item.module is request.module
-        and item.originalname == "test_two_processes_train_resume_and_export_one_file"
+        for item in mine
+        if item.originalname == "test_two_processes_train_resume_and_export_one_file"
     ]
-    ports = free_ports(2 * len(wanted))
+    with_two_nodes = any(item.originalname == TWO_NODES_TEST for item in mine)
+    ports = free_ports(len(wanted) + 1)
     launched = []  # every process started, for the clean-up
     chains = {}
-    with ThreadPoolExecutor(max_workers=max(1, len(wanted))) as pool:
+    with ThreadPoolExecutor(max_workers=len(wanted) + 1) as pool:
         for i, params in enumerate(wanted):
             preset, precision = params["preset"], params["precision"]
             tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
@@ -296,10 +302,14 @@ def chains(request, tmp_path_factory, shapes_dir):
                 tmp_path,
                 args,
                 params["resume_overrides"],
-                ports[2 * i : 2 * i + 2],
+                ports[i],
                 launched,
             )
             chains[preset, precision] = (tmp_path, chain)
+        if with_two_nodes:
+            tmp_path = tmp_path_factory.mktemp("two_nodes")
+            nodes = pool.submit(two_nodes, tmp_path, shapes_dir, ports[-1], launched)
+            chains["two_nodes"] = (tmp_path, nodes)
         try:
             yield chains
         finally:  # a test that failed first leaves no run going
@@ -336,19 +346,9 @@ def test_two_processes_train_resume_and_export_one_file(
         assert (phases["run"] / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # shards
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
-    """`torchrun --nnodes 2`: two launches, one per "node", meet at a rendezvous on localhost,
-    and rank 0 writes the run. (A DDP checkpoint is one plain file: its exact 2-process resume is
-    tests/e2e/test_resume.py's, its export scripts/convert.py's tests'.)"""
-    logs = tmp_path / "logs"
-    port = str(free_port())
+def two_nodes(tmp_path: Path, shapes_dir: Path, port: int, launched: list) -> list:
+    """`torchrun --nnodes 2`: two launches, one per "node", meeting at a rendezvous on
+    localhost at `port`, each training on one process. (returncode, stderr) of each."""
     args = [
         "--base",
         str(TINY),
@@ -356,7 +356,7 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
         "lightning.trainer.accelerator=cpu",
         "lightning.trainer.devices=1",
         "lightning.trainer.num_nodes=2",
-        *training_args(shapes_dir, logs),
+        *training_args(shapes_dir, tmp_path / "logs"),
         "-t",
     ]
     nodes = [
@@ -374,7 +374,7 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
-                port,
+                str(port),
                 str(ROOT / "main.py"),
                 *args,
             ],
@@ -385,11 +385,23 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
         )
         for rank in (0, 1)
     ]
+    launched.extend(nodes)
     outputs = [node.communicate(timeout=600) for node in nodes]
-    for node, (_, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
-    both = "".join(err for _, err in outputs)
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs, strict=True)]
+
+
+@pytest.mark.slow
+def test_ddp_on_two_nodes_under_torchrun(chains):
+    """`torchrun --nnodes 2` (`two_nodes`): the two nodes meet, and rank 0 writes the run. (A DDP
+    checkpoint is one plain file: its exact 2-process resume is tests/e2e/test_resume.py's, its
+    export scripts/convert.py's tests'.)"""
+    tmp_path, launch = chains["two_nodes"]
+    nodes = launch.result(timeout=1200)
+    for returncode, err in nodes:
+        assert returncode == 0, err[-3000:]
+    both = "".join(err for _, err in nodes)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
+    logs = tmp_path / "logs"
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
     check_written(lun.strategies.load_training_checkpoint(runs[0] / "checkpoints" / "last.ckpt"), 2)
