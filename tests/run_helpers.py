@@ -32,20 +32,23 @@ def failure_lines(stderr: str, tail: int = 3000) -> str:
     return "\n".join(said[:40]) + "\n--- the end ---\n" + stderr[-tail:]
 
 
-def with_port(port: int | None) -> dict | None:
-    """This environment with MASTER_PORT set to `port` (None: inherited as it is)."""
-    return {**os.environ, "MASTER_PORT": str(port)} if port else None
+def with_port(port: int | None, env: dict | None = None) -> dict | None:
+    """`env` (None: this environment) with MASTER_PORT set to `port` (None: `env` as it is)."""
+    return {**(env or os.environ), "MASTER_PORT": str(port)} if port else env
 
 
-def start_main(args: list[str], cwd: Path, stderr: Path, port: int | None = None):
+def start_main(
+    args: list[str], cwd: Path, stderr: Path, port: int | None = None, env: dict | None = None
+):
     """Start `python main.py ARGS` in the background, its stderr into the file `stderr` (no pipe
     to fill while nobody reads it), with its own rendezvous port (`free_ports`) when given: runs
-    launched side by side could otherwise pick the same free one."""
+    launched side by side could otherwise pick the same free one. `env`: the environment (None:
+    this one)."""
     with stderr.open("w") as err:
         return subprocess.Popen(
             [sys.executable, str(ROOT / "main.py"), *args],
             cwd=cwd,
-            env=with_port(port),
+            env=with_port(port, env),
             stdout=subprocess.DEVNULL,
             stderr=err,
         )
@@ -132,32 +135,39 @@ def pretrained_base(config: Path, out: Path) -> dict:
     return model_config
 
 
-def train_demo(tmp: Path, *configs: Path) -> Path:
+def start_demo(tmp: Path, *configs: Path) -> subprocess.Popen:
     """2 training steps of the shapes demo (configs/demo/shapes.yaml and `configs` overlays) on 8
-    generated 16 px images through main.py, as `make demo` / `scripts/demo.py --config` train it;
-    the run folder."""
+    generated 16 px images through main.py, as `make demo` / `scripts/demo.py --config` train it,
+    started in the background (`start_main`: several go side by side); `demo_run_folder` waits
+    for it."""
     from make_shapes import make_shapes
 
     make_shapes(tmp / "shapes", n=8, size=16, seed=0)
-    logs = tmp / "logs"
     demo = ROOT / "configs" / "demo"
-    result = run_main(
-        [
-            "--base",
-            str(demo / "shapes.yaml"),
-            *map(str, configs),
-            f"data.params.train.params.data_root={tmp / 'shapes'}",
-            "data.params.batch_size=4",
-            "lightning.trainer.max_steps=2",
-            "-l",
-            str(logs),
-            "-t",
-        ],
-        cwd=tmp,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    (run,) = list(logs.iterdir())
+    args = [
+        "--base",
+        str(demo / "shapes.yaml"),
+        *map(str, configs),
+        f"data.params.train.params.data_root={tmp / 'shapes'}",
+        "data.params.batch_size=4",
+        "lightning.trainer.max_steps=2",
+        "-l",
+        str(tmp / "logs"),
+        "-t",
+    ]
+    return start_main(args, tmp, tmp / "stderr.txt")
+
+
+def demo_run_folder(tmp: Path, process: subprocess.Popen) -> Path:
+    """The run folder of `start_demo(tmp, ...)`'s run, which must succeed."""
+    assert process.wait(timeout=300) == 0, (tmp / "stderr.txt").read_text()[-3000:]
+    (run,) = list((tmp / "logs").iterdir())
     return run
+
+
+def train_demo(tmp: Path, *configs: Path) -> Path:
+    """`start_demo`'s run, waited for: the run folder."""
+    return demo_run_folder(tmp, start_demo(tmp, *configs))
 
 
 def record_demo_commands(monkeypatch, run_folder: Path) -> list[tuple]:

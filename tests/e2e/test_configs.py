@@ -123,7 +123,7 @@ def test_demo_overlays_left_out_here_are_trained_by_the_demo_test():
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "OVERLAYS"
     ]
     trained = {f"demo/{name}" for name in ast.literal_eval(overlays)}
-    assert DEMO_OVERLAYS <= trained and "train_demo(" in source, trained
+    assert DEMO_OVERLAYS <= trained and "start_demo(" in source, trained
     on_disk = {config_id(p) for p in CONFIGS if p.parent.name == "demo" and p.name != "shapes.yaml"}
     assert on_disk == DEMO_OVERLAYS  # a new demo overlay is trained somewhere: add it there
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from eval_shapes import main as eval_main
 from make_shapes import SHAPE_COLORS, SHAPES
-from run_helpers import ROOT, record_demo_commands, train_demo
+from run_helpers import ROOT, demo_run_folder, record_demo_commands, start_demo
 
 from ldm.util import instantiate_from_config
 from lun.config import merge_configs, to_container
@@ -101,12 +101,32 @@ def test_demo_flow_configs_are_drawn_with_flow_euler(overlay, sampler):
     torch.testing.assert_close(drawn, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def flow_demo_launches(request, tmp_path_factory) -> dict:
+    """The run of each overlay this session's tests ask for (`start_demo`: 2 training steps of
+    shapes.yaml + the overlay on 8 generated images, as `python scripts/demo.py --config
+    configs/demo/OVERLAY` trains it), launched at once: on 2 cores they go side by side.
+    overlay -> (its folder, its process)"""
+    wanted = {
+        item.callspec.params["flow_demo_run"]
+        for item in request.session.items
+        if item.module is request.module and "flow_demo_run" in item.fixturenames
+    }
+    launches = {}
+    for overlay in sorted(wanted):
+        tmp = tmp_path_factory.mktemp("flow-demo")
+        launches[overlay] = (tmp, start_demo(tmp, DEMO / overlay))
+    yield launches
+    for _, process in launches.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="module", params=OVERLAYS)
-def flow_demo_run(request, tmp_path_factory) -> tuple[str, Path]:
-    """2 training steps of shapes.yaml + the overlay on 8 generated images, as
-    `python scripts/demo.py --config configs/demo/OVERLAY` trains it."""
+def flow_demo_run(request, flow_demo_launches) -> tuple[str, Path]:
+    """(the overlay, its run folder)"""
     overlay = request.param
-    return overlay, train_demo(tmp_path_factory.mktemp("flow-demo"), DEMO / overlay)
+    return overlay, demo_run_folder(*flow_demo_launches[overlay])
 
 
 # Slow (one main.py launch per config, ~15 s each on 2 cores): the only proof that the overlays

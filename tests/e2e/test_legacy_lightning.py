@@ -7,13 +7,14 @@ The block below is the translunar-diffusion write-up's, at toy step counts: Comp
 `trainer.strategy: deepspeed`.
 """
 
+import importlib.util
 import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import run_main
+from run_helpers import free_ports, start_main
 
 from lun.run import RunDir
 from lun.trainer import build_callbacks, build_logger, trainer_kwargs
@@ -88,17 +89,72 @@ IGNORED = [
 ]
 
 
-@pytest.mark.slow
-def test_write_up_lightning_block_trains_and_writes_where_it_says(
-    tmp_path, tiny_config, shapes_dir
-):
+def write_up_launch(tmp_path: Path, tiny_config: Path, shapes_dir: Path) -> tuple[list, dict]:
+    """main.py's arguments and environment for the write-up's block on the tiny config."""
     block = tmp_path / "lightning.yaml"
     block.write_text(WRITE_UP_LIGHTNING + VALIDATION.format(root=shapes_dir))
-    logs = tmp_path / "logs"
     args = ["--base", str(tiny_config), str(block)]
-    args += [f"data.params.train.params.data_root={shapes_dir}", "-l", str(logs), "-t"]
-    result = run_main(args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    args += [f"data.params.train.params.data_root={shapes_dir}", "-l", str(tmp_path / "logs")]
+    return [*args, "-t"], dict(os.environ)
+
+
+def deepspeed_launch(tmp_path: Path, tiny_config: Path, shapes_dir: Path) -> tuple[list, dict]:
+    """main.py's arguments and environment for translunar's `lightning.deepspeed` on 2 CPU
+    processes."""
+    args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
+    args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
+    args += ["lightning.trainer.strategy=deepspeed", "data.params.batch_size=3"]
+    args += ["lightning.deepspeed={stage: 1, offload_optimizer: true}"]
+    args += ["-l", str(tmp_path / "logs"), "-t"]
+    extensions = tmp_path / "torch_extensions"  # where DeepSpeed's JIT builds would go
+    return args, {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
+
+
+LAUNCHES = {
+    "test_write_up_lightning_block_trains_and_writes_where_it_says": write_up_launch,
+    "test_deepspeed_stage_1_with_offload_trains_on_two_processes": deepspeed_launch,
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory, tiny_config, shapes_dir):
+    """The launch (`LAUNCHES`) of each test of this module that this session runs, started at
+    once, each with a rendezvous port of its own: a launch leaves a core idle much of its
+    start-up (the DeepSpeed run's rank 1 starts once rank 0 is set up), so they go side by side.
+    test name -> (its folder, its process)"""
+    wanted = [
+        item.originalname
+        for item in request.session.items
+        if item.module is request.module and item.originalname in LAUNCHES
+    ]
+    if "test_deepspeed_stage_1_with_offload_trains_on_two_processes" in wanted:
+        if importlib.util.find_spec("deepspeed") is None:  # the test skips
+            wanted.remove("test_deepspeed_stage_1_with_offload_trains_on_two_processes")
+    runs = {}
+    for name, port in zip(wanted, free_ports(len(wanted)), strict=True):
+        tmp_path = tmp_path_factory.mktemp(name[:40])
+        args, env = LAUNCHES[name](tmp_path, tiny_config, shapes_dir)
+        runs[name] = (tmp_path, start_main(args, tmp_path, tmp_path / "stderr.txt", port, env))
+    yield runs
+    for _, process in runs.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
+def finished(launched: dict, name: str) -> tuple[Path, str]:
+    """(the folder, the stderr) of the test `name`'s launch, which must succeed."""
+    tmp_path, process = launched[name]
+    stderr_file = tmp_path / "stderr.txt"
+    assert process.wait(timeout=400) == 0, stderr_file.read_text()[-3000:]
+    return tmp_path, stderr_file.read_text()
+
+
+@pytest.mark.slow
+def test_write_up_lightning_block_trains_and_writes_where_it_says(launched):
+    tmp_path, stderr = finished(
+        launched, "test_write_up_lightning_block_trains_and_writes_where_it_says"
+    )
+    logs = tmp_path / "logs"
 
     (run,) = [p for p in logs.iterdir() if p.is_dir()]
     checkpoints = run / "checkpoints"
@@ -129,11 +185,11 @@ def test_write_up_lightning_block_trains_and_writes_where_it_says(
 
     # One warning line per key without an effect here, naming it; none for the honoured keys.
     for key in IGNORED:
-        lines = [line for line in result.stderr.splitlines() if f"callbacks.{key} " in line]
+        lines = [line for line in stderr.splitlines() if f"callbacks.{key} " in line]
         assert len(lines) == 1, (key, lines)
     for honoured in ("N", "ddim_steps", "use_ema_scope", "increase_log_steps"):
-        assert f".{honoured} is accepted" not in result.stderr
-    assert "multiple progress bar" not in result.stderr
+        assert f".{honoured} is accepted" not in stderr
+    assert "multiple progress bar" not in stderr
 
 
 def test_image_logger_parameters_are_translated(tmp_path, caplog):
@@ -221,22 +277,15 @@ def test_deepspeed_section_with_another_strategy_or_unknown_key_is_a_config_erro
 
 
 @pytest.mark.slow
-def test_deepspeed_stage_1_with_offload_trains_on_two_processes(tmp_path, tiny_config, shapes_dir):
+def test_deepspeed_stage_1_with_offload_trains_on_two_processes(launched):
     """translunar's way, through the launcher on 2 CPU processes: the engine that trained was
     configured for ZeRO stage 1 with the optimizer offloaded (its config is in the checkpoint),
     with the DataModule's batch size per device (Lightning's "auto" batch size read
     `batch_sampler.batch_size` of lun.data's loader: AttributeError before step 1). The same
     stage as a `lightning.strategy` block: tests/lun/test_strategies.py's presets."""
     pytest.importorskip("deepspeed")
-    logs = tmp_path / "logs"
-    args = ["--base", str(tiny_config), f"data.params.train.params.data_root={shapes_dir}"]
-    args += ["lightning.trainer.accelerator=cpu", "lightning.trainer.devices=2"]
-    args += ["lightning.trainer.strategy=deepspeed", "data.params.batch_size=3"]
-    args += ["lightning.deepspeed={stage: 1, offload_optimizer: true}", "-l", str(logs), "-t"]
-    extensions = tmp_path / "torch_extensions"  # where DeepSpeed's JIT builds would go
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(extensions)}
-    result = run_main(args, cwd=tmp_path, timeout=400, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
+    tmp_path, _ = finished(launched, "test_deepspeed_stage_1_with_offload_trains_on_two_processes")
+    logs, extensions = tmp_path / "logs", tmp_path / "torch_extensions"
     # training needs no shared-memory all-reduce op: a minute of g++ not spent
     assert not list(extensions.rglob("deepspeed_shm_comm*"))
     (run,) = logs.iterdir()

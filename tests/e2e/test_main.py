@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from run_helpers import ROOT, load_main, run_main, run_main_here
+from run_helpers import ROOT, load_main, run_main, run_main_here, start_main
 
 from lun.data import DataModule
 
@@ -60,23 +60,76 @@ def test_yaml_syntax_error_names_file_and_line(tmp_path):
     assert f"{bad}:4" in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.slow
-def test_train_writes_the_run_folder_and_resume_continues(tmp_path, tiny_config, shapes_dir):
-    logs = tmp_path / "logs"
-    args = [
-        "--base",
-        str(tiny_config),
-        data_root(shapes_dir),
-        "-l",
-        str(logs),
-        "-n",
-        "demo",
-        "-f",
-        "_x",
-        "-t",
+def first_run_launch(tmp_path: Path, tiny_config: Path, shapes_dir: Path) -> list[str]:
+    """A named 2-step run of the tiny config."""
+    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(tmp_path / "logs")]
+    return [*args, "-n", "demo", "-f", "_x", "-t"]
+
+
+def fault(**params) -> list[str]:
+    items = ", ".join(f"{k}: {v}" for k, v in params.items())
+    return [
+        f"lightning.callbacks.fault={{target: fault_injection.FaultInjection, params: {{{items}}}}}"
     ]
-    first = run_main(args, cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
+
+
+def exception_launch(tmp_path: Path, tiny_config: Path, shapes_dir: Path) -> list[str]:
+    """A 5-step run that raises at step 2."""
+    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(tmp_path / "logs")]
+    return [*args, "-t", "lightning.trainer.max_steps=5", *fault(raise_at_step=2)]
+
+
+def sigusr1_launch(tmp_path: Path, tiny_config: Path, shapes_dir: Path) -> list[str]:
+    """A 3-step run without periodic checkpoints that gets SIGUSR1 at step 1."""
+    args = ["--base", str(tiny_config), data_root(shapes_dir), "-l", str(tmp_path / "logs")]
+    args += ["-t", "lightning.trainer.max_steps=3", "lightning.callbacks.modelcheckpoint=null"]
+    args += ["lightning.callbacks.metrics_over_trainsteps_checkpoint=null"]
+    return [*args, *fault(signal_at_step=1)]
+
+
+LAUNCHES = {
+    "test_train_writes_the_run_folder_and_resume_continues": first_run_launch,
+    "test_exception_writes_on_exception_checkpoint": exception_launch,
+    "test_sigusr1_saves_last_and_training_goes_on": sigusr1_launch,
+}
+
+
+@pytest.fixture(scope="module")
+def launched(request, tmp_path_factory, tiny_config, shapes_dir):
+    """The launch (`LAUNCHES`) of each test of this module that this session runs, started at
+    once: on 2 cores they go side by side instead of one after the other. test name -> (its
+    folder, its process)"""
+    wanted = [
+        item.originalname
+        for item in request.session.items
+        if item.module is request.module and item.originalname in LAUNCHES
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}  # fault_injection
+    runs = {}
+    for name in wanted:
+        tmp_path = tmp_path_factory.mktemp(name[5:40])
+        args = LAUNCHES[name](tmp_path, tiny_config, shapes_dir)
+        runs[name] = (tmp_path, start_main(args, tmp_path, tmp_path / "stderr.txt", env=env))
+    yield runs
+    for _, process in runs.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
+def finished(launched: dict, name: str) -> tuple[Path, int, str]:
+    """(the folder, the exit status, the stderr) of the test `name`'s launch."""
+    tmp_path, process = launched[name]
+    returncode = process.wait(timeout=300)
+    return tmp_path, returncode, (tmp_path / "stderr.txt").read_text()
+
+
+@pytest.mark.slow
+def test_train_writes_the_run_folder_and_resume_continues(launched):
+    tmp_path, returncode, stderr = finished(
+        launched, "test_train_writes_the_run_folder_and_resume_continues"
+    )
+    assert returncode == 0, stderr[-3000:]
+    logs = tmp_path / "logs"
     run = only_run_folder(logs)
     assert run.name.endswith("_demo_x")
     assert (run / "images").is_dir() and (run / "tensorboard").is_dir()
@@ -95,52 +148,25 @@ def test_train_writes_the_run_folder_and_resume_continues(tmp_path, tiny_config,
     assert all(int(s["step"]) == 4 for s in state["state"].values())
 
 
-def fault(tmp_path, **params) -> list[str]:
-    items = ", ".join(f"{k}: {v}" for k, v in params.items())
-    return [
-        f"lightning.callbacks.fault={{target: fault_injection.FaultInjection, params: {{{items}}}}}"
-    ]
-
-
 @pytest.mark.slow
-def test_exception_writes_on_exception_checkpoint(tmp_path, tiny_config, shapes_dir):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    args = [
-        "--base",
-        str(tiny_config),
-        data_root(shapes_dir),
-        "-l",
-        str(tmp_path),
-        "-t",
-        "lightning.trainer.max_steps=5",
-        *fault(tmp_path, raise_at_step=2),
-    ]
-    result = run_main(args, cwd=tmp_path, env=env)
-    assert result.returncode != 0
-    assert "injected failure at step 2" in result.stderr
-    ckpt = only_run_folder(tmp_path) / "checkpoints" / "on_exception.ckpt"
+def test_exception_writes_on_exception_checkpoint(launched):
+    tmp_path, returncode, stderr = finished(
+        launched, "test_exception_writes_on_exception_checkpoint"
+    )
+    assert returncode != 0
+    assert "injected failure at step 2" in stderr
+    ckpt = only_run_folder(tmp_path / "logs") / "checkpoints" / "on_exception.ckpt"
     assert load(ckpt)["global_step"] == 2
 
 
 @pytest.mark.slow
-def test_sigusr1_saves_last_and_training_goes_on(tmp_path, tiny_config, shapes_dir):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
-    args = [
-        "--base",
-        str(tiny_config),
-        data_root(shapes_dir),
-        "-l",
-        str(tmp_path),
-        "-t",
-        "lightning.trainer.max_steps=3",
-        "lightning.callbacks.modelcheckpoint=null",
-        "lightning.callbacks.metrics_over_trainsteps_checkpoint=null",
-        *fault(tmp_path, signal_at_step=1),
-    ]
-    result = run_main(args, cwd=tmp_path, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "max_steps=3` reached" in result.stderr + result.stdout
-    checkpoints = only_run_folder(tmp_path) / "checkpoints"
+def test_sigusr1_saves_last_and_training_goes_on(launched):
+    tmp_path, returncode, stderr = finished(
+        launched, "test_sigusr1_saves_last_and_training_goes_on"
+    )
+    assert returncode == 0, stderr[-3000:]
+    assert "max_steps=3` reached" in stderr
+    checkpoints = only_run_folder(tmp_path / "logs") / "checkpoints"
     assert (
         load(checkpoints / "last.ckpt")["global_step"] == 1
     )  # written at the signal, not at the end

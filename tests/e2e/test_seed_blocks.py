@@ -16,7 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from omegaconf import OmegaConf
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, free_ports, start_main
 
 from lun.callbacks.checkpoints import Checkpoint
 from lun.config import ConfigError, merge_configs, to_container
@@ -123,31 +123,54 @@ def saved_step(path: Path) -> int:
     return torch.load(path, map_location="cpu", weights_only=True)["global_step"]
 
 
+STOPPED = [("training-lightning.yaml", "crash"), ("training-txt2img.yaml", "ctrl-c")]
+STOPPED_TEST = "test_seed_blocks_train_and_leave_on_exception_after_a_crash_or_ctrl_c"
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(request, tmp_path_factory, tiny_config, shapes_dir):
+    """The stopped run of each (block, how) this session's tests ask for, launched at once, each
+    with a rendezvous port of its own (DeepSpeed sets up a process group even for one process):
+    on 2 cores they run side by side. (block, how) -> (its folder, its process)"""
+    pytest.importorskip("deepspeed")
+    wanted = [
+        (item.callspec.params["name"], item.callspec.params["how"])
+        for item in request.session.items
+        if item.module is request.module and item.originalname == STOPPED_TEST
+    ]
+    runs = {}
+    for (name, how), port in zip(wanted, free_ports(len(wanted)), strict=True):
+        tmp_path = tmp_path_factory.mktemp(how)
+        block = lightning_block(tmp_path, name)
+        args = [
+            "--base",
+            str(tiny_config),
+            str(block),
+            f"data.params.train.params.data_root={shapes_dir}",
+        ]
+        args += [*TOY, "lightning.callbacks.periodic_checkpoint.params.every_n_train_steps=1"]
+        args += [stop_at(2, how), "-l", str(tmp_path / "logs"), "-t"]
+        env = {**os.environ, "PYTHONPATH": TESTS}
+        process = start_main(args, tmp_path, tmp_path / "stderr.txt", port, env)
+        runs[name, how] = (tmp_path, process)
+    yield runs
+    for _, process in runs.values():  # a test that failed first leaves no run going
+        process.kill()
+        process.wait()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "name, how",
-    [("training-lightning.yaml", "crash"), ("training-txt2img.yaml", "ctrl-c")],
-)
-def test_seed_blocks_train_and_leave_on_exception_after_a_crash_or_ctrl_c(
-    tmp_path, tiny_config, shapes_dir, name, how
-):
+@pytest.mark.parametrize("name, how", STOPPED)
+def test_seed_blocks_train_and_leave_on_exception_after_a_crash_or_ctrl_c(stopped_runs, name, how):
     """Verbatim but for the toy step counts, under the block's own DeepSpeed settings (stage 1,
     optimizer offloaded): the user's checkpoints are written where their names say, and a crash
     or Ctrl-C at step 2 leaves `checkpoints/on_exception.ckpt` of step 2."""
-    pytest.importorskip("deepspeed")
+    tmp_path, process = stopped_runs[name, how]
     logs = tmp_path / "logs"
-    block = lightning_block(tmp_path, name)
-    args = [
-        "--base",
-        str(tiny_config),
-        str(block),
-        f"data.params.train.params.data_root={shapes_dir}",
-    ]
-    args += [*TOY, "lightning.callbacks.periodic_checkpoint.params.every_n_train_steps=1"]
-    args += [stop_at(2, how), "-l", str(logs), "-t"]
-    result = run_main(args, cwd=tmp_path, timeout=500, env={**os.environ, "PYTHONPATH": TESTS})
-    assert result.returncode == (130 if how == "ctrl-c" else 1), result.stderr[-3000:]
-    assert "more than one stateful callback" not in result.stderr
+    returncode = process.wait(timeout=500)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert returncode == (130 if how == "ctrl-c" else 1), stderr[-3000:]
+    assert "more than one stateful callback" not in stderr
     (run,) = logs.iterdir()
     checkpoints = run / "checkpoints"
     assert saved_step(checkpoints / "on_exception.ckpt") == 2

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from run_helpers import ROOT, run_main
+from run_helpers import ROOT, failure_lines, free_ports, run_main, start_main
 from test_resume import kill_after_first_checkpoint
 
 from ldm.autoencoder import AutoencoderKL
@@ -55,12 +55,16 @@ def training_state(path: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 def test_vae_resume_is_bitwise_exact(tmp_path, shapes_dir):
-    straight = run_main(vae_args(shapes_dir, tmp_path / "straight"), cwd=tmp_path, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    (run,) = (tmp_path / "straight").iterdir()
-
+    # The straight run goes on beside the interrupted one (a core is idle in a launch's start-up).
+    straight_args = vae_args(shapes_dir, tmp_path / "straight")
+    straight = start_main(straight_args, tmp_path, tmp_path / "straight.err")
     logs = tmp_path / "interrupted"
-    killed_at = kill_after_first_checkpoint(vae_args(shapes_dir, logs), tmp_path, logs, EVERY)
+    try:
+        killed_at = kill_after_first_checkpoint(vae_args(shapes_dir, logs), tmp_path, logs, EVERY)
+    finally:
+        straight.wait(timeout=600)
+    assert straight.returncode == 0, (tmp_path / "straight.err").read_text()[-3000:]
+    (run,) = (tmp_path / "straight").iterdir()
     at_k = training_state(killed_at)  # read now: the resumed run writes this file again
     assert 0 < int(at_k["global_step"]) < STEPS  # k = 2 (or 4, had the kill come late)
     resumed = run_main(["--resume", str(killed_at), "-t"], cwd=tmp_path, timeout=600)
@@ -94,16 +98,27 @@ def test_two_process_fsdp_trains_as_ddp(tmp_path, shapes_dir):
     ddp = [str(ROOT / "configs" / "lightning" / "ddp.yaml"), *two]
     ddp.append("lightning.strategy.params.find_unused_parameters=true")
     fsdp = [str(ROOT / "configs" / "lightning" / "fsdp-vae.yaml"), *two]
-    states = {}
-    for name, extra in (("ddp", ddp), ("fsdp", fsdp)):
+    # Both launched at once, each with a rendezvous port of its own: a launch leaves a core idle
+    # much of its start-up (rank 1 starts once rank 0 is set up).
+    launched = {}
+    for (name, extra), port in zip((("ddp", ddp), ("fsdp", fsdp)), free_ports(2), strict=True):
         args = vae_args(shapes_dir, tmp_path / name, *extra)
         args[args.index("model.params.lossconfig.params.disc_start=3")] = (
             "model.params.lossconfig.params.disc_start=1"
         )
-        result = run_main(args, cwd=tmp_path, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        (run,) = (tmp_path / name).iterdir()
-        states[name] = training_state(run / "checkpoints" / "last.ckpt")
+        launched[name] = start_main(args, tmp_path, tmp_path / f"{name}.err", port)
+    states = {}
+    try:
+        for name, process in launched.items():
+            assert process.wait(timeout=600) == 0, failure_lines(
+                (tmp_path / f"{name}.err").read_text()
+            )
+            (run,) = (tmp_path / name).iterdir()
+            states[name] = training_state(run / "checkpoints" / "last.ckpt")
+    finally:  # a failed run leaves no other going
+        for process in launched.values():
+            process.kill()
+            process.wait()
     expected, got = states["ddp"], states["fsdp"]
     assert int(got["global_step"]) == int(expected["global_step"]) == 3
     assert got.keys() == expected.keys()  # both optimizers' states, EMA, the same names

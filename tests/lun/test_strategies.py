@@ -3,9 +3,9 @@ real on CPU with 2 processes (DDP, DeepSpeed ZeRO-2/3, FSDP), gradient accumulat
 options that must not change the loss (gradient checkpointing, channels_last, torch.compile)."""
 
 import importlib.util
-import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -173,16 +173,6 @@ def test_bf16_mixed_trains_close_to_fp32(baseline_step):
 # --- end to end: 2 processes on CPU, checkpoint, resume, EMA, one exported file ----------------
 
 
-def run_main(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "main.py"), *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def training_args(shapes_dir: Path, logs: Path) -> list[str]:
     return [
         f"data.params.train.params.data_root={shapes_dir}",
@@ -202,24 +192,21 @@ def training_args(shapes_dir: Path, logs: Path) -> list[str]:
 TEXT_ENCODER = "cond_stage_model.transformer.text_model."
 
 
-def check_written(run: Path, step: int) -> None:
-    """The run's last.ckpt (a file or a strategy's folder) holds `step` and the text encoder."""
-    saved = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+def check_written(saved: dict, step: int) -> None:
+    """A run's last.ckpt (a file or a strategy's folder, as `load_training_checkpoint` reads
+    it) holds `step` and the text encoder."""
     assert saved["global_step"] == step
     assert any(k.startswith(TEXT_ENCODER + "encoder.layers.") for k in saved["state_dict"])
 
 
-def check_resumed_and_export(
-    tmp_path: Path, run: Path, *overrides: str, ema_exact: bool = True
-) -> None:
-    """Resume the 2-step run to step 3, then export it as one original-layout file."""
-    import convert
+def resume_args(run: Path, *overrides: str) -> list[str]:
+    """Resume the 2-step run to step 3."""
+    return ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"]
 
-    resumed = run_main(
-        ["-r", str(run), "lightning.trainer.max_steps=3", *overrides, "-t"], cwd=tmp_path
-    )
-    assert resumed.returncode == 0, failure_lines(resumed.stderr)
-    assert "average restarts" not in resumed.stderr  # the EMA came back from the checkpoint
+
+def check_resumed_and_export(tmp_path: Path, run: Path, ema_exact: bool = True) -> None:
+    """The run resumed to step 3 (`resume_args`); export it as one original-layout file."""
+    import convert
 
     last = run / "checkpoints" / "last.ckpt"
     merged = lun.strategies.load_training_checkpoint(last)
@@ -253,36 +240,82 @@ def check_resumed_and_export(
     load_weights(instantiate_from_config(to_container(merge_configs([TINY]))["model"]), out)
 
 
+def train_then_resume(
+    tmp_path: Path, args: list[str], resume_overrides: list[str], port: int, launched: list
+) -> dict:
+    """main.py ARGS (2 steps) on rendezvous port `port`, its checkpoint read, then its resume
+    to step 3 (on a port picked then: one held unused a minute could be taken meanwhile): what
+    the test checks, by phase. Stops at the first launch that fails."""
+    first = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
+    launched.append(first)
+    phases = {"first": first.wait(timeout=600)}
+    if phases["first"] != 0:
+        return phases
+    (run,) = (tmp_path / "logs").iterdir()
+    # Read before the resume writes last.ckpt again.
+    phases["written"] = lun.strategies.load_training_checkpoint(run / "checkpoints" / "last.ckpt")
+    (port,) = free_ports(1)
+    resumed = start_main(
+        resume_args(run, *resume_overrides), tmp_path, tmp_path / "resumed.txt", port
+    )
+    launched.append(resumed)
+    phases["resumed"], phases["run"] = resumed.wait(timeout=600), run
+    return phases
+
+
+TWO_NODES_TEST = "test_ddp_on_two_nodes_under_torchrun"
+
+
 @pytest.fixture(scope="module")
-def first_runs(request, tmp_path_factory, shapes_dir):
-    """The 2-step 2-process run of each (preset, precision) this session's tests ask for,
-    started at once: a launch leaves a core idle much of its start-up (rank 1 starts once rank
-    0 is set up), so they go side by side, each with a rendezvous port of its own. Their
-    resumes run one at a time, in the tests. (preset, precision) -> (its folder, its process)"""
+def chains(request, tmp_path_factory, shapes_dir):
+    """Each (preset, precision) this session's tests ask for: its 2-step 2-process run, then
+    its resume to step 3 (`train_then_resume`); and the two "nodes" of `two_nodes` when its test
+    runs. All side by side in threads of this process: a launch leaves a core idle much of its
+    start-up (rank 1 starts once rank 0 is set up), so they fill each other's idle time, each
+    with a rendezvous port of its own. (preset, precision) or "two_nodes" -> (its folder, the
+    future of what it returns)"""
+    mine = [item for item in request.session.items if item.module is request.module]
     wanted = [
-        (item.callspec.params["preset"], item.callspec.params["precision"])
-        for item in request.session.items
-        if item.module is request.module
-        and item.originalname == "test_two_processes_train_resume_and_export_one_file"
+        item.callspec.params
+        for item in mine
+        if item.originalname == "test_two_processes_train_resume_and_export_one_file"
     ]
-    runs = {}
-    for (preset, precision), port in zip(wanted, free_ports(len(wanted)), strict=True):
-        tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
-        args = [
-            "--base",
-            str(TINY),
-            str(PRESETS / f"{preset}.yaml"),
-            *ON_CPU_WITH_2,
-            f"lightning.trainer.precision={precision}",
-            *training_args(shapes_dir, tmp_path / "logs"),
-            "-t",
-        ]
-        process = start_main(args, tmp_path, tmp_path / "stderr.txt", port)
-        runs[preset, precision] = (tmp_path, process)
-    yield runs
-    for _, process in runs.values():  # a test that failed first leaves no run going
-        process.kill()
-        process.wait()
+    with_two_nodes = any(item.originalname == TWO_NODES_TEST for item in mine)
+    ports = free_ports(len(wanted) + 1)
+    launched = []  # every process started, for the clean-up
+    chains = {}
+    with ThreadPoolExecutor(max_workers=len(wanted) + 1) as pool:
+        for i, params in enumerate(wanted):
+            preset, precision = params["preset"], params["precision"]
+            tmp_path = tmp_path_factory.mktemp(f"{preset}-{precision}")
+            args = [
+                "--base",
+                str(TINY),
+                str(PRESETS / f"{preset}.yaml"),
+                *ON_CPU_WITH_2,
+                f"lightning.trainer.precision={precision}",
+                *training_args(shapes_dir, tmp_path / "logs"),
+                "-t",
+            ]
+            chain = pool.submit(
+                train_then_resume,
+                tmp_path,
+                args,
+                params["resume_overrides"],
+                ports[i],
+                launched,
+            )
+            chains[preset, precision] = (tmp_path, chain)
+        if with_two_nodes:
+            tmp_path = tmp_path_factory.mktemp("two_nodes")
+            nodes = pool.submit(two_nodes, tmp_path, shapes_dir, ports[-1], launched)
+            chains["two_nodes"] = (tmp_path, nodes)
+        try:
+            yield chains
+        finally:  # a test that failed first leaves no run going
+            for process in launched:
+                process.kill()
+                process.wait()
 
 
 @pytest.mark.slow
@@ -296,34 +329,26 @@ def first_runs(request, tmp_path_factory, shapes_dir):
     ],
 )
 def test_two_processes_train_resume_and_export_one_file(
-    first_runs, preset, precision, resume_overrides
+    chains, preset, precision, resume_overrides
 ):
-    tmp_path, first = first_runs[preset, precision]  # main.py with "{preset}.yaml"
-    logs = tmp_path / "logs"
-    assert first.wait(timeout=600) == 0, failure_lines((tmp_path / "stderr.txt").read_text())
-    (run,) = logs.iterdir()
-    check_written(run, step=2)
+    tmp_path, chain = chains[preset, precision]  # main.py with "{preset}.yaml", then -r
+    phases = chain.result(timeout=1200)
+    assert phases["first"] == 0, failure_lines((tmp_path / "stderr.txt").read_text())
+    check_written(phases["written"], step=2)
+    resumed_stderr = (tmp_path / "resumed.txt").read_text()
+    assert phases["resumed"] == 0, failure_lines(resumed_stderr)
+    assert "average restarts" not in resumed_stderr  # the EMA came back from the checkpoint
     # DeepSpeed's 16-bit mode trains 16-bit weights (float32 masters in the optimizer): the EMA
     # averages those. FSDP's and DDP's mixed precision keep float32 weights.
     ema_exact = not (preset.startswith("deepspeed") and "16" in precision)
-    check_resumed_and_export(tmp_path, run, *resume_overrides, ema_exact=ema_exact)
+    check_resumed_and_export(tmp_path, phases["run"], ema_exact=ema_exact)
     if resume_overrides:
-        assert (run / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # merged from shards
+        assert (phases["run"] / "checkpoints" / "last.ckpt" / ".metadata").is_file()  # shards
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
-    """`torchrun --nnodes 2`: two launches, one per "node", meet at a rendezvous on localhost,
-    and rank 0 writes the run. (A DDP checkpoint is one plain file: its exact 2-process resume is
-    tests/e2e/test_resume.py's, its export scripts/convert.py's tests'.)"""
-    logs = tmp_path / "logs"
-    port = str(free_port())
+def two_nodes(tmp_path: Path, shapes_dir: Path, port: int, launched: list) -> list:
+    """`torchrun --nnodes 2`: two launches, one per "node", meeting at a rendezvous on
+    localhost at `port`, each training on one process. (returncode, stderr) of each."""
     args = [
         "--base",
         str(TINY),
@@ -331,7 +356,7 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
         "lightning.trainer.accelerator=cpu",
         "lightning.trainer.devices=1",
         "lightning.trainer.num_nodes=2",
-        *training_args(shapes_dir, logs),
+        *training_args(shapes_dir, tmp_path / "logs"),
         "-t",
     ]
     nodes = [
@@ -349,7 +374,7 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
                 "--master-addr",
                 "127.0.0.1",
                 "--master-port",
-                port,
+                str(port),
                 str(ROOT / "main.py"),
                 *args,
             ],
@@ -360,14 +385,26 @@ def test_ddp_on_two_nodes_under_torchrun(tmp_path, shapes_dir):
         )
         for rank in (0, 1)
     ]
+    launched.extend(nodes)
     outputs = [node.communicate(timeout=600) for node in nodes]
-    for node, (_, err) in zip(nodes, outputs):
-        assert node.returncode == 0, err[-3000:]
-    both = "".join(err for _, err in outputs)
+    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs, strict=True)]
+
+
+@pytest.mark.slow
+def test_ddp_on_two_nodes_under_torchrun(chains):
+    """`torchrun --nnodes 2` (`two_nodes`): the two nodes meet, and rank 0 writes the run. (A DDP
+    checkpoint is one plain file: its exact 2-process resume is tests/e2e/test_resume.py's, its
+    export scripts/convert.py's tests'.)"""
+    tmp_path, launch = chains["two_nodes"]
+    nodes = launch.result(timeout=1200)
+    for returncode, err in nodes:
+        assert returncode == 0, err[-3000:]
+    both = "".join(err for _, err in nodes)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
+    logs = tmp_path / "logs"
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
-    check_written(runs[0], step=2)
+    check_written(lun.strategies.load_training_checkpoint(runs[0] / "checkpoints" / "last.ckpt"), 2)
 
 
 def test_strategy_kind_names_each_engine_by_lightnings_classes():
