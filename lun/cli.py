@@ -7,6 +7,7 @@ import torch only after their arguments are parsed, so `--help` answers at once.
 
 import argparse
 import copy
+import math
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -35,3 +36,20 @@ def old_spelling(parser: argparse.ArgumentParser, old: str, dest: str, **kwargs)
     """`old` (e.g. `--n_samples`) parses as the documented flag writing `dest`, unlisted in
     --help. Its default is left to the documented flag."""
     parser.add_argument(old, dest=dest, help=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for a count or a size (`--steps 0` would sample nothing and write noise,
+    `--n-samples 0` fail inside torch): argparse names the flag in its one-line error."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    """An argparse type for a number that must be finite (`--scale nan` makes every image NaN)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
+    return value

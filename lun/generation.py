@@ -150,7 +150,13 @@ def check_model_file(path, expected: str | None, what: str, unsafe: bool = False
 def model_config(args):
     """The merged config of `--config` (one or several files), else of the run folder."""
     configs = args.config if isinstance(args.config, list) else [args.config]
-    return merge_configs(configs if args.config else find_config(Path(args.ckpt)))
+    config = merge_configs(configs if args.config else find_config(Path(args.ckpt)))
+    if "model" not in config:  # a run folder's *-lightning.yaml, say
+        raise ValueError(
+            f"--config {' '.join(map(str, configs))}: no model section; give the model's config "
+            "(in a run folder: configs/*-project.yaml)"
+        )
+    return config
 
 
 def load_vae(model: LatentModel, path: str) -> None:

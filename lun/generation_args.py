@@ -3,7 +3,7 @@ mistyped flag answer without importing torch."""
 
 import argparse
 
-from lun.cli import old_spelling
+from lun.cli import finite_float, old_spelling, positive_int
 
 SAMPLER_NAMES = {
     "ddim": "DDIM",
@@ -34,24 +34,26 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--negative-prompt", default="", help="what the image should not show")
     parser.add_argument("--outdir", default="outputs/txt2img-samples", help="output folder")
-    parser.add_argument("--steps", type=int, default=50, help="sampling steps")
-    old_spelling(parser, "--ddim_steps", "steps", type=int)
+    parser.add_argument("--steps", type=positive_int, default=50, help="sampling steps")
+    old_spelling(parser, "--ddim_steps", "steps", type=positive_int)
     parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim", help="sampler")
     parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
-    parser.add_argument("--eta", type=float, default=0.0, help="DDIM eta")
-    old_spelling(parser, "--ddim_eta", "eta", type=float)
-    parser.add_argument("--scale", type=float, default=7.5, help="classifier-free guidance scale")
+    parser.add_argument("--eta", type=finite_float, default=0.0, help="DDIM eta")
+    old_spelling(parser, "--ddim_eta", "eta", type=finite_float)
     parser.add_argument(
-        "--n-samples", type=int, default=1, help="images per prompt per iteration (batch)"
-    )
-    old_spelling(parser, "--n_samples", "n_samples", type=int)
-    parser.add_argument("--n-iter", type=int, default=1, help="iterations")
-    old_spelling(parser, "--n_iter", "n_iter", type=int)
-    parser.add_argument(
-        "--H", type=int, default=None, help="height in pixels (default: the model's)"
+        "--scale", type=finite_float, default=7.5, help="classifier-free guidance scale"
     )
     parser.add_argument(
-        "--W", type=int, default=None, help="width in pixels (default: the model's)"
+        "--n-samples", type=positive_int, default=1, help="images per prompt per iteration (batch)"
+    )
+    old_spelling(parser, "--n_samples", "n_samples", type=positive_int)
+    parser.add_argument("--n-iter", type=positive_int, default=1, help="iterations")
+    old_spelling(parser, "--n_iter", "n_iter", type=positive_int)
+    parser.add_argument(
+        "--H", type=positive_int, default=None, help="height in pixels (default: the model's)"
+    )
+    parser.add_argument(
+        "--W", type=positive_int, default=None, help="width in pixels (default: the model's)"
     )
     parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
     parser.add_argument(

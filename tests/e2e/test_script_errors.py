@@ -93,6 +93,37 @@ def test_missing_checkpoint_is_exit_status_2(tmp_path, capsys, tiny_config):
     assert (status, len(lines)) == (2, 1) and str(missing) in lines[0], lines
 
 
+BAD_FLAGS = [
+    (["--steps", "0"], "--steps"),  # sampled nothing: every image was the starting noise
+    (["--n-samples", "0"], "--n-samples"),  # a traceback from torch.stack
+    (["--n_iter", "0"], "--n_iter"),  # the old spelling too
+    (["--H", "-32"], "--H"),  # a traceback: negative dimension
+    (["--W", "0"], "--W"),  # silently the default size
+    (["--scale", "nan"], "--scale"),  # every image NaN
+]
+
+
+@pytest.mark.parametrize("flags, flag", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
+@pytest.mark.parametrize("script", [txt2img, img2img], ids=lambda s: s.__name__)
+def test_a_count_size_or_scale_that_cannot_sample_is_one_line(
+    tmp_path, capsys, weights, tiny_config, script, flags, flag
+):
+    argv = generation_argv(script, tmp_path, weights, tiny_config) + flags
+    status, lines = exit_of(script.main, argv, capsys)
+    assert status == 2
+    assert f"error: argument {flag}" in lines[-1], lines  # argparse: usage, then its line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_without_a_model_section_is_one_line(tmp_path, capsys, weights):
+    trainer_only = tmp_path / "run-lightning.yaml"
+    trainer_only.write_text("lightning:\n  trainer:\n    max_steps: 2\n")
+    argv = ["--ckpt", str(weights), "--config", str(trainer_only), "--steps", "1"]
+    status, lines = exit_of(txt2img.main, argv, capsys)
+    assert (status, len(lines)) == (2, 1), lines
+    assert str(trainer_only) in lines[0] and "no model section" in lines[0], lines
+
+
 # --- a full disk while writing the output ------------------------------------------------------
 
 
