@@ -348,7 +348,7 @@ def test_two_processes_train_resume_and_export_one_file(
 
 def two_nodes(tmp_path: Path, shapes_dir: Path, port: int, launched: list) -> list:
     """`torchrun --nnodes 2`: two launches, one per "node", meeting at a rendezvous on
-    localhost at `port`, each training on one process. (returncode, stderr) of each."""
+    localhost at `port`, each training on one process. (returncode, stdout, stderr) of each."""
     args = [
         "--base",
         str(TINY),
@@ -387,7 +387,7 @@ def two_nodes(tmp_path: Path, shapes_dir: Path, port: int, launched: list) -> li
     ]
     launched.extend(nodes)
     outputs = [node.communicate(timeout=600) for node in nodes]
-    return [(node.returncode, err) for node, (_, err) in zip(nodes, outputs, strict=True)]
+    return [(node.returncode, out, err) for node, (out, err) in zip(nodes, outputs, strict=True)]
 
 
 @pytest.mark.slow
@@ -397,11 +397,15 @@ def test_ddp_on_two_nodes_under_torchrun(chains):
     export scripts/convert.py's tests'.)"""
     tmp_path, launch = chains["two_nodes"]
     nodes = launch.result(timeout=1200)
-    for returncode, err in nodes:
+    for returncode, _, err in nodes:
         assert returncode == 0, err[-3000:]
-    both = "".join(err for _, err in nodes)
+    both = "".join(err for _, _, err in nodes)
     assert "GLOBAL_RANK: 0, MEMBER: 1/2" in both and "GLOBAL_RANK: 1, MEMBER: 2/2" in both
+    # Only global rank 0 plans and makes the run folder: node 1's first process is local rank 0
+    # too, and must not take itself for the run's first (lun.run.is_rank_zero reads RANK).
+    assert ["memory plan:" in out for _, out, _ in nodes] == [True, False]
     logs = tmp_path / "logs"
+    assert len(list(logs.iterdir())) == 1
     runs = [run for run in logs.iterdir() if (run / "checkpoints" / "last.ckpt").exists()]
     assert len(runs) == 1  # rank 0 writes
     check_written(lun.strategies.load_training_checkpoint(runs[0] / "checkpoints" / "last.ckpt"), 2)
