@@ -294,18 +294,25 @@ def swaps_in(module: nn.Module) -> list[BlockSwap]:
     return [m.__dict__["block_swap"] for m in module.modules() if "block_swap" in m.__dict__]
 
 
-def swap_blocks(
-    backbone: nn.Module, count: int, device: torch.device, resident: int = RESIDENT
-) -> BlockSwap:
-    """Keep the first `count` blocks of `backbone` in host RAM, streamed to `device` when they
-    run. Call before the model moves to the device (Lightning's `setup`)."""
-    unswap_blocks(backbone)  # a swap left by a fit that did not end through its hooks
+def check_swap_count(backbone: nn.Module, count: int) -> list[nn.Module]:
+    """The backbone's blocks, when `count` of them can be swapped (ValueError naming
+    `blocks_to_swap` when not): checked when the model is built, and again when it swaps."""
     blocks = blocks_of(backbone)
     if count > len(blocks):
         raise ValueError(
             f"model.params.lora.blocks_to_swap: {count} is more than the backbone's "
             f"{len(blocks)} blocks"
         )
+    return blocks
+
+
+def swap_blocks(
+    backbone: nn.Module, count: int, device: torch.device, resident: int = RESIDENT
+) -> BlockSwap:
+    """Keep the first `count` blocks of `backbone` in host RAM, streamed to `device` when they
+    run. Call before the model moves to the device (Lightning's `setup`)."""
+    unswap_blocks(backbone)  # a swap left by a fit that did not end through its hooks
+    blocks = check_swap_count(backbone, count)
     swap = BlockSwap(blocks[:count], device, resident)
     for index, block in enumerate(blocks[:count]):
         swap.own_forwards.append(block.__dict__.get("forward"))

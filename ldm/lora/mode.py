@@ -20,6 +20,10 @@ class LoraMode(TrainingMode):
         self.settings = settings
 
     def attach(self, model: nn.Module) -> None:
+        if self.settings.swapped_blocks:  # a count beyond the blocks: one line before any run
+            from ldm.block_swap import check_swap_count
+
+            check_swap_count(model.model, self.settings.swapped_blocks)
         add_adapters(model, self.settings)  # before loading: a LoRA run's file has them
 
     def after_loading(self, model: nn.Module, state: Mapping) -> None:

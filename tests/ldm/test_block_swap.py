@@ -590,6 +590,18 @@ def test_a_backbone_that_does_not_name_its_blocks_is_refused_in_one_line():
         blocks_of(DiffusionWrapper(unnamed))
 
 
+def test_more_blocks_to_swap_than_the_backbone_has_is_refused_when_the_model_is_built():
+    """`main.py` without -t (a config check) builds the model: the count is refused there, not
+    only when the fit starts swapping."""
+    from pathlib import Path
+
+    from lora_helpers import build
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "ldm.yaml"
+    with pytest.raises(ValueError, match=r"^model.params.lora.blocks_to_swap: 99 is more than"):
+        build(config, "{rank: 2, blocks_to_swap: 99}")
+
+
 # --- block swap lasts one fit: undone when it ends (normally, on an exception, on Ctrl-C) -------
 
 SWAP_SETTINGS = "{{rank: 2, blocks_to_swap: 3, base_quantization: {kind}}}"
