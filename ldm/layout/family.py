@@ -133,6 +133,9 @@ def _config_family(model_config: Mapping) -> str | None:
 
     model_config = copy.deepcopy(dict(model_config))
     model_config["params"] = {**(model_config.get("params") or {}), "ckpt_path": None}
+    # Adapters name no family (their keys are read without them) and would print their line a
+    # second time: the run builds the model itself.
+    model_config["params"].pop("lora", None)
     try:
         with torch.device("meta"):
             model = instantiate_from_config(model_config)

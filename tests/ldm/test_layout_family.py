@@ -4,6 +4,7 @@ config, of the model it builds and of that model's state dict - one answer for a
 The expected families are what each tiny config is (its name and its conditioner: CompVis'
 FrozenCLIPEmbedder is SD 1.x, sgm's two-tower GeneralConditioner is SDXL)."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,15 @@ def test_a_config_its_model_and_their_state_dict_have_one_family(name, expected)
     assert family.model_family(model) == expected
     assert family.model_family(model.state_dict()) == expected
     assert family.model_family(list(model.state_dict())) == expected
+
+
+def test_the_family_of_a_lora_config_is_its_base_and_says_nothing(caplog):
+    """The family check builds the model on the meta device: without its adapters, which
+    would log the run's "LoRA: adapters on ..." line once more."""
+    config = to_container(merge_configs([TINY / "ldm.yaml", TINY / "lora.yaml"]))["model"]
+    with caplog.at_level(logging.INFO):
+        assert family.model_family(config) == family.SD1
+    assert "adapters on" not in caplog.text
 
 
 def test_a_config_that_cannot_be_built_has_no_family():
