@@ -144,7 +144,16 @@ def _check_trainer_values(kwargs: dict) -> None:
         allowed += [f"-1 for {minus_one}"] * bool(minus_one) + ["null"] * nullable
         allowed = ", ".join(allowed[:-1]) + " or " + allowed[-1] if len(allowed) > 1 else allowed[0]
         raise ConfigError(f"lightning.trainer.{name}={value!r}: expected {allowed}")
+    _check_clip_value(kwargs.get("gradient_clip_val"))
     _check_accelerator(kwargs.get("accelerator"))
+
+
+def _check_clip_value(value) -> None:
+    """Lightning skips clipping at a value <= 0 without a word: a negative one (a typo, or -1
+    meant as "off") would train unclipped. 0 and null mean no clipping, as in Lightning."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if value is not None and not (number and value >= 0):
+        raise ConfigError(f"{CLIP_KEY}={value!r}: expected a number > 0 (0 or null: no clipping)")
 
 
 def _check_accelerator(name) -> None:
@@ -447,7 +456,7 @@ class FSDPGradientClipping(Callback):
     def __init__(self, max_norm: float):
         if not max_norm > 0:
             raise ConfigError(
-                f"{CLIP_KEY}={max_norm!r}: expected a number > 0 (or null: no clipping)"
+                f"{CLIP_KEY}={max_norm!r}: expected a number > 0 (0 or null: no clipping)"
             )
         self.max_norm = max_norm
         self._root = None  # the wrapped model's root FSDP unit, found once per fit

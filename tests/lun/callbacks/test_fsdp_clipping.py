@@ -81,12 +81,24 @@ def test_only_fsdp_with_norm_clipping_moves_the_value(lightning):
 
 
 def test_a_bad_value_is_one_line_naming_the_key():
-    kwargs = trainer_kwargs({"strategy": FSDP, "trainer": {"gradient_clip_val": -1.0}})
-    with pytest.raises(ConfigError) as err:
-        fsdp_clipping(kwargs)
+    with pytest.raises(ConfigError) as err:  # the config's check comes first (the test below)
+        FSDPGradientClipping(-1.0)
     assert str(err.value) == (
-        "lightning.trainer.gradient_clip_val=-1.0: expected a number > 0 (or null: no clipping)"
+        "lightning.trainer.gradient_clip_val=-1.0: expected a number > 0 (0 or null: no clipping)"
     )
+
+
+@pytest.mark.parametrize("value", [-1, -0.5, "abc", True])
+def test_a_clip_value_lightning_would_skip_is_refused_under_every_strategy(value):
+    """Lightning clips nothing at a value <= 0 and says nothing: -1 would train unclipped."""
+    with pytest.raises(ConfigError) as err:
+        trainer_kwargs({"trainer": {"gradient_clip_val": value}})
+    assert str(err.value).startswith(f"lightning.trainer.gradient_clip_val={value!r}: expected")
+
+
+@pytest.mark.parametrize("value", [None, 0, 0.5, 1])
+def test_clip_values_lightning_takes_pass(value):
+    assert trainer_kwargs({"trainer": {"gradient_clip_val": value}})["gradient_clip_val"] == value
 
 
 def test_the_shipped_fsdp_preset_on_a_clipping_config_builds_a_clipping_trainer(tmp_path):
