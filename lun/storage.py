@@ -69,7 +69,9 @@ def filesystem(url: str):
     try:
         import fsspec
 
-        return fsspec.core.url_to_fs(url)
+        # A local folder (file://) needs its sub-folders made; object stores have none to make.
+        options = {"auto_mkdir": True} if protocol(url) in ("file", "local") else {}
+        return fsspec.core.url_to_fs(url, **options)
     except ImportError as err:
         package = PACKAGES.get(protocol(url)) or str(err)
         raise StorageError(
