@@ -85,8 +85,8 @@ def check_cacheable(dataset, text: bool = False) -> None:
     needed = ("item_size", "caption", "crop", "interpolation", "flip_p", "batch_groups")
     if not all(hasattr(dataset, name) for name in needed):
         raise ValueError(
-            f"cache: {type(dataset).__name__} cannot be cached (only map-style datasets like "
-            "lun.data.local.Local; a WebDataset / Parquet stream has no stable item order)"
+            f"cache: {type(dataset).__name__} cannot be cached (only lun.data.local.Local's "
+            "folders and metadata can; train it without a cache)"
         )
     if dataset.crop != "center":
         raise ValueError(

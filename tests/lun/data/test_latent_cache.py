@@ -279,3 +279,15 @@ def test_another_vae_or_a_broken_cache_is_one_line_before_a_run_folder(
         assert "cache_latents.py" in err[-1]
         assert not any("Traceback" in line for line in err)
     assert not logs.exists()
+
+
+def test_a_dataset_that_cannot_be_cached_is_named_with_what_can(tmp_path):
+    """A class folder is map-style too: the refusal says which datasets a cache takes."""
+    from lun.data.class_folder import ClassFolder
+    from lun.data.latent_cache import check_cacheable
+
+    for name in ("cat", "dog"):
+        (tmp_path / name).mkdir()
+        Image.new("RGB", (8, 8)).save(tmp_path / name / "0.png")
+    with pytest.raises(ValueError, match=r"^cache: ClassFolder cannot be cached \(only lun.data"):
+        check_cacheable(ClassFolder(str(tmp_path), size=8))
