@@ -178,6 +178,15 @@ def _precision(trainer, sharding: Sharding) -> Precision:
     return Precision(true_dtype.get(name), master, half)
 
 
+def _configured_optimizers(model) -> list[torch.optim.Optimizer]:
+    """The optimizers the fit will make; one whose package is not installed (adamw8bit without
+    bitsandbytes) is a ConfigError here, before the run folder."""
+    try:
+        return _optimizers(model.configure_optimizers())
+    except ImportError as err:
+        raise ConfigError(f"model.params.optimizer_config: {err}") from err
+
+
 def _optimizers(configured) -> list[torch.optim.Optimizer]:
     """The optimizers of any return value of `configure_optimizers`."""
     if isinstance(configured, torch.optim.Optimizer):
@@ -439,7 +448,7 @@ def _parts(
         ),
     ]
     optimizer_total = 0
-    for i, optimizer in enumerate(_optimizers(model.configure_optimizers())):
+    for i, optimizer in enumerate(_configured_optimizers(model)):
         nbytes, detail = optimizer_state_bytes(optimizer, dtype_of, precision.master_weights)
         optimizer_total += nbytes // sharding.optimizer
         place = HOST if sharding.optimizer_on_host else DEVICE
@@ -585,7 +594,7 @@ def _options(
                 "saves": saves((ACTIVATIONS, CHECKPOINTING_SAVES)),
             }
         )
-    optimizers = _optimizers(model.configure_optimizers())
+    optimizers = _configured_optimizers(model)
     if len(optimizers) == 1 and type(optimizers[0]).__name__ in ("Adam", "AdamW"):
         state = parts["optimizer state"]
         eight_bit = _eight_bit_bytes(optimizers[0]) // sharding.optimizer

@@ -49,6 +49,7 @@ CASES = [
     ("size cannot fit", [f"{TRAIN}.size=30"], f"{TRAIN}.size=30: height and width must be multiples of 4 for this model"),
     ("flow shift=abc", ["model.params.parameterization=flow", "model.params.schedule.shift=abc"], "model.params.schedule.shift must be a number, got 'abc'"),
     ("optimizer target", ["model.params.optimizer_config.target=adamw9"], "model.params.optimizer_config.target='adamw9': expected adamw or adamw8bit"),
+    ("optimizer package", ["model.params.optimizer_config.target=nopackage.Adam"], "model.params.optimizer_config: optimizer 'nopackage.Adam' needs the package 'nopackage': pip install nopackage"),
     ("ckpt_path a folder", ["model.params.ckpt_path={tmp}/empty"], "model.params.ckpt_path: {tmp}/empty is a folder; expected a weights file"),
     ("base_lr=abc", ["model.base_learning_rate=abc"], "model.base_learning_rate: 'abc' is not a positive number"),
     ("base_lr=-1", ["model.base_learning_rate=-1e-4"], "model.base_learning_rate: -0.0001 is not a positive number"),
