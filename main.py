@@ -18,7 +18,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from lun.config import ConfigError, check_complete, merge_configs, to_container
-from lun.legacy import legacy_resume, translate_command_line
+from lun.legacy import fold_switch_values, legacy_resume, translate_command_line
 from lun.run import RunDir
 
 
@@ -106,7 +106,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--raw-weights", action="store_true", help="--validate-only: not the EMA weights"
     )
-    opt, dotlist = parser.parse_known_args(argv)
+    opt, dotlist = parser.parse_known_args(
+        fold_switch_values(sys.argv[1:] if argv is None else argv)
+    )
     # `--base a.yaml b.yaml key=value ~key` puts overrides into --base's list: move them out.
     overrides = [a for a in opt.base if "=" in a or a.startswith("~")]
     dotlist = overrides + dotlist

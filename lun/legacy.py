@@ -410,3 +410,27 @@ def translate_command_line(cfg: DictConfig, data_root: str | None, gpus: str | N
         if OmegaConf.select(cfg, "lightning.trainer", default=None) is None:
             OmegaConf.update(cfg, "lightning.trainer", {}, force_add=True)
         translate_gpus(cfg.lightning.trainer, gpus, "--gpus", wins=True)
+
+
+# CompVis' main.py parsed its switches with `str2bool` and an optional value.
+COMPVIS_SWITCHES = ("-t", "--train", "--scale_lr", "--no-test", "-d", "--debug")
+TRUE_WORDS, FALSE_WORDS = ("yes", "true", "t", "y", "1"), ("no", "false", "f", "n", "0")
+
+
+def fold_switch_values(argv: list[str]) -> list[str]:
+    """CompVis' `-t True`, `--scale_lr False`, `--train=yes`: the switch alone, or nothing for a
+    false word (`--scale_lr False` is our default). Only a true/false word is taken, so
+    `-t key.path=value` stays a switch and an override."""
+    folded, i = [], 0
+    while i < len(argv):
+        flag, _, value = argv[i].partition("=")
+        if flag in COMPVIS_SWITCHES and not value and i + 1 < len(argv):
+            word = argv[i + 1].lower()
+            if word in TRUE_WORDS + FALSE_WORDS:
+                value, i = word, i + 1
+        if flag in COMPVIS_SWITCHES and value.lower() in TRUE_WORDS + FALSE_WORDS:
+            folded += [flag] if value.lower() in TRUE_WORDS else []
+        else:
+            folded.append(argv[i])
+        i += 1
+    return folded

@@ -50,3 +50,19 @@ def test_main_run_is_three_short_steps():
     for name in ("run", "resolve", "build", "train"):
         node = functions[name]
         assert node.end_lineno - node.lineno + 1 <= 40, name
+
+
+def test_compvis_valued_switches_fold_into_ours():
+    """CompVis' main.py took `-t True`, `--scale_lr False` (str2bool, an optional value); a
+    fine-tune recipe's command line keeps working. Only a true/false word is a value: an
+    override after `-t` stays an override."""
+    from main import parse_args
+
+    argv = ["--base", "a.yaml", "-t", "True", "--scale_lr", "False", "--no-test", "yes", "x.y=1"]
+    opt, dotlist = parse_args(argv + ["-d=0"])
+    assert (opt.train, opt.scale_lr, opt.no_test, opt.debug) == (True, False, True, False)
+    assert opt.base == ["a.yaml"] and dotlist == ["x.y=1"]
+    opt, dotlist = parse_args(["-t", "k.v=2", "--scale_lr", "--no-test=false", "-n", "yes"])
+    assert (opt.train, opt.scale_lr, opt.no_test, opt.name) == (True, True, False, "yes")
+    assert dotlist == ["k.v=2"]
+    assert parse_args(["--train=no", "--scale_lr=1"])[0].train is False
