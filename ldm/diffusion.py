@@ -22,7 +22,7 @@ from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
 from ldm.layout import original
 from ldm.model_contract import LatentModelContract
-from ldm.optim import build_optimizer, build_scheduler, check_optimizer_settings
+from ldm.optim import build_optimizer, build_scheduler
 from ldm.util import ParamError, instantiate_from_config
 from ldm.validation import FixedNoiseValidation
 
@@ -186,7 +186,6 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         kernels = speed.attention_kernels
         self.sdpa_kernels = None if kernels is None else sdpa_kernels(kernels)
         self.learning_rate = learning_rate
-        check_optimizer_settings(optimizer_config, scheduler_config)
         self.optimizer_config, self.scheduler_config = optimizer_config, scheduler_config
 
         # Submodule names are the original checkpoints' (see ldm.checkpoint).

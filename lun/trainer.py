@@ -23,6 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
 
+from ldm.optim import check_optimizer_settings
 from ldm.util import get_obj_from_str, instantiate_from_config
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
@@ -97,9 +98,14 @@ def _built(key: str, config: dict, obj, base: type):
 
 
 def build_model(config: dict) -> LightningModule:
-    """`model` -> the LightningModule; a value its constructors refuse is a config error."""
+    """`model` -> the LightningModule; a value its constructors refuse is a config error. The
+    optimizer and LR schedule settings are checked here, for the runs this builds, not by the
+    module: they are only read inside fit, and a module built to sample or convert need not
+    import the optimizer's package (bitsandbytes for adamw8bit)."""
     check_target("model", config, LightningModule)
+    params = config.get("params") or {}
     with config_errors("model", config):
+        check_optimizer_settings(params.get("optimizer_config"), params.get("scheduler_config"))
         return _built("model", config, instantiate_from_config(config), LightningModule)
 
 
