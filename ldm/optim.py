@@ -15,6 +15,12 @@ OPTIMIZER_ALIASES = {
 }
 
 
+def optimizer_target(config: dict):
+    """The dotted path of `optimizer_config`'s target (an alias resolved; AdamW by default)."""
+    name = config.get("target", "adamw")
+    return OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+
+
 def build_optimizer(
     params, lr: float, config: dict | None = None, fuse: bool = True
 ) -> torch.optim.Optimizer:
@@ -28,7 +34,7 @@ def build_optimizer(
     whole training step).
     """
     config = dict(config or {})
-    target = OPTIMIZER_ALIASES.get(config.get("target", "adamw"), config.get("target"))
+    target = optimizer_target(config)
     kwargs = {"weight_decay": 1e-2, **(config.get("params") or {})}
     package = target.split(".")[0]
     if importlib.util.find_spec(package) is None:
@@ -46,11 +52,10 @@ def check_optimizer_settings(optimizer: dict | None, scheduler: dict | None) -> 
     used in `configure_optimizers`, inside fit, where a mistyped target or a word for a number
     ends in a traceback. ValueError naming `optimizer_config` / `scheduler_config`."""
     config = dict(optimizer or {})
-    name = config.get("target", "adamw")
-    target = OPTIMIZER_ALIASES.get(name, name) if isinstance(name, str) else name
+    target = optimizer_target(config)
     if not isinstance(target, str) or "." not in target:
         raise ValueError(
-            f"optimizer_config.target={name!r}: expected {' or '.join(OPTIMIZER_ALIASES)} or a "
+            f"optimizer_config.target={config.get('target')!r}: expected {' or '.join(OPTIMIZER_ALIASES)} or a "
             "class's dotted path (torch.optim.SGD)"
         )
     if importlib.util.find_spec(target.split(".")[0]) is None:
