@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ldm.config_errors import is_number
 from ldm.sampling import classifier_free_guidance
 
 TIMESTEP_SAMPLINGS = ("logit_normal", "mode", "uniform")
@@ -152,7 +153,7 @@ class FlowSchedule:
             value = getattr(self, field.name)
             if field.type is bool and not isinstance(value, bool):
                 raise ValueError(f"schedule.{field.name} must be true or false, got {value!r}")
-            number = isinstance(value, int | float) and not isinstance(value, bool)
+            number = is_number(value)
             if field.type is float and not number:
                 raise ValueError(f"schedule.{field.name} must be a number, got {value!r}")
             if field.type is int and not (number and value >= 1 and float(value).is_integer()):

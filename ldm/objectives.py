@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ldm import flow, sampling, vlb
+from ldm.config_errors import is_number
 from ldm.schedule import schedule_betas, schedule_buffers, snr
 
 Schedule = Mapping[str, torch.Tensor]
@@ -53,7 +54,7 @@ class Objective:
     num_timesteps: int  # T: the backbone sees times in [0, T)
 
     def __init__(self, offset_noise: float = 0.0):
-        if isinstance(offset_noise, bool) or not isinstance(offset_noise, int | float):
+        if not is_number(offset_noise):
             raise ValueError(f"offset_noise={offset_noise!r}: expected a number (0.1 is common)")
         self.offset_noise = offset_noise
 
@@ -133,11 +134,7 @@ class DDPM(Objective):
         offset_noise: float = 0.0,
     ):
         super().__init__(offset_noise)
-        if min_snr_gamma is not None and (
-            isinstance(min_snr_gamma, bool)
-            or not isinstance(min_snr_gamma, int | float)
-            or not min_snr_gamma > 0
-        ):
+        if min_snr_gamma is not None and not (is_number(min_snr_gamma) and min_snr_gamma > 0):
             raise ValueError(
                 f"min_snr_gamma={min_snr_gamma!r}: expected a number > 0 (5 is the paper's)"
             )

@@ -23,13 +23,14 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from omegaconf import OmegaConf
 
+from ldm.config_errors import is_count, is_number
 from ldm.optim import check_optimizer_settings
 from ldm.util import get_obj_from_str, instantiate_from_config
 from lun.callbacks.checkpoints import Checkpoint
 from lun.callbacks.defaults import default_callback_configs
 from lun.callbacks.signals import SignalCheckpoint
 from lun.config import ConfigError, config_errors
-from lun.data.datamodule import DataModule, check_loader_settings, is_count
+from lun.data.datamodule import DataModule, check_loader_settings
 from lun.legacy import callback_target, image_logger_params
 from lun.run import RunDir
 
@@ -157,8 +158,7 @@ def _check_trainer_values(kwargs: dict) -> None:
 def _check_clip_value(value) -> None:
     """Lightning skips clipping at a value <= 0 without a word: a negative one (a typo, or -1
     meant as "off") would train unclipped. 0 and null mean no clipping, as in Lightning."""
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    if value is not None and not (number and value >= 0):
+    if value is not None and not (is_number(value) and value >= 0):
         raise ConfigError(f"{CLIP_KEY}={value!r}: expected a number > 0 (0 or null: no clipping)")
 
 

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
+from ldm.config_errors import is_count
 from ldm.util import instantiate_from_config
 from ldm.validation import ITEM_KEY
 from lun.config import ConfigError
@@ -58,10 +59,6 @@ LOADER_VALUES = {
     "persistent_workers": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
     "pin_memory": (lambda v: v is None or isinstance(v, bool), "true, false or null"),
 }
-
-
-def is_count(value, lowest: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= lowest
 
 
 def check_loader_settings(key: str, settings: dict, split: bool = False) -> None:

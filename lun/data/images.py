@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ldm.config_errors import is_count
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
 INTERPOLATIONS = {
     "bilinear": Image.Resampling.BILINEAR,
@@ -226,7 +228,7 @@ def check_choice(name: str, value: str, choices) -> str:
 
 def check_max_pixels(value) -> int:
     """`max_image_pixels`: the decompression-bomb limit, a whole number of pixels >= 1."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_count(value, 1):
         raise ValueError(
             f"max_image_pixels={value!r}: expected a whole number of pixels >= 1 "
             f"(default {DEFAULT_MAX_PIXELS})"
