@@ -196,7 +196,11 @@ def shape_key(batch) -> tuple:
 
 
 def describe_shape(key: tuple) -> str:
-    return ", ".join(" ".join([name, "x".join(map(str, shape))]).strip() for name, shape in key)
+    """`image 3x512x512`: the batch's per-sample images, latents and cached conditioning. Its
+    vectors (SDXL's size and crop tensors, which the data writes for every model, labels, loss
+    weights) are left out: what they hold, not their length, differs between batches."""
+    shown = [(name, shape) for name, shape in key if len(shape) >= 2] or list(key)
+    return ", ".join(" ".join([name, "x".join(map(str, shape))]).strip() for name, shape in shown)
 
 
 def format_mfu(mfu: float | None) -> str:

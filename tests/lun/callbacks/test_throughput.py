@@ -21,7 +21,9 @@ from lun.callbacks.progress import SmoothedProgressBar
 from lun.callbacks.throughput import (
     FlopCounter,
     Throughput,
+    describe_shape,
     measured_matmul_flops,
+    shape_key,
     table_peak_flops,
     training_dtype,
 )
@@ -268,6 +270,22 @@ def test_report_progress_bar_and_epoch_line(fit, capsys, caplog):
     assert "FLOPs per image, image 3x8x8: 1.38e+05 FLOP" in log  # see the linear model's count
     assert "epoch 0: " in log and "MFU " in log.split("epoch 0: ")[1].splitlines()[0]
     assert "(process peak RSS)" in log
+
+
+def test_flops_line_names_the_images_not_the_size_vectors():
+    # The data writes SDXL's size and crop vectors for every model; an SD 1.x run's report
+    # named them in its FLOPs line as if they set the cost.
+    batch = {
+        "image": torch.zeros(4, 3, 64, 64),
+        "caption": ["a"] * 4,
+        "original_size_as_tuple": torch.zeros(4, 2),
+        "crop_coords_top_left": torch.zeros(4, 2),
+        "loss_weight": torch.ones(4),
+    }
+    assert describe_shape(shape_key(batch)) == "image 3x64x64"
+    cached = {"latent": torch.zeros(4, 8, 8, 8), "context": torch.zeros(4, 77, 32)}
+    assert describe_shape(shape_key(cached)) == "latent 8x8x8, context 77x32"
+    assert describe_shape(shape_key({"x": torch.zeros(4, 10)})) == "x 10"
 
 
 def test_peaks_come_from_the_table_or_a_probe():
