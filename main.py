@@ -247,7 +247,7 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
     from lightning.pytorch import seed_everything
 
     from lun.data.latent_cache import check_cached_data
-    from lun.run import check_strategy_fits
+    from lun.run import check_strategy_fits, nothing_left_problem
     from lun.trainer import (
         build_data,
         build_model,
@@ -270,7 +270,10 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
         model = build_model(config["model"])
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
         check_strategy_fits(model, trainer.strategy, resuming=launch.ckpt_path is not None)
-        for problem in (clipping_problem(model, trainer), image_size_problem(model, data)):
+        problems = [clipping_problem(model, trainer), image_size_problem(model, data)]
+        if launch.ckpt_path is not None and not opt.validate_only:
+            problems.append(nothing_left_problem(launch.ckpt_path, trainer.max_steps))
+        for problem in problems:
             if problem:
                 raise ConfigError(problem)
         if launch.remote is not None:

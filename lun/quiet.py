@@ -38,6 +38,9 @@ WARNED = [
     r"Found \d+ module\(s\) in eval mode at the start of training",
     # A config without a validation split: the model has a validation_step for those that do.
     r"You defined a `validation_step` but have no `val_dataloader`",
+    # Every resumed run: a new run's folder is new (timestamped), so the only non-empty
+    # checkpoint folder is a resumed run's own.
+    r"Checkpoint directory .* exists and is not empty",
     # A small folder (a tiny config on a few images): our progress line reports every step.
     r"The number of training batches \(\d+\) is smaller than the logging interval",
 ]

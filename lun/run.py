@@ -215,6 +215,18 @@ def checkpoint_step(path: Path, need_training_state: bool = False) -> int | None
     return contents["global_step"]
 
 
+def nothing_left_problem(checkpoint: Path, max_steps: int) -> str | None:
+    """One line when the checkpoint to resume is at `max_steps` already (or past it): Lightning
+    would load it and stop at once, having trained nothing, without a word."""
+    step = checkpoint_step(checkpoint)
+    if max_steps < 0 or step is None or step < max_steps:
+        return None
+    return (
+        f"lightning.trainer.max_steps: {max_steps}, but {checkpoint} is at step {step}: nothing "
+        f"is left to train; resume with lightning.trainer.max_steps=N for an N above {step}"
+    )
+
+
 def saved_configs(run: RunDir) -> list[Path]:
     """The configs a run saved, oldest first (a resumed run re-reads them unless --base is given)."""
     found = sorted(run.configs.glob("*.yaml"))

@@ -141,6 +141,7 @@ def test_train_writes_the_run_folder_and_resume_continues(launched):
     second = run_main(["-r", str(run), "lightning.trainer.max_steps=4", "-t"], cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert only_run_folder(logs) == run  # same folder, no new run
+    assert "exists and is not empty" not in second.stderr  # Lightning's, about our own folder
     resumed = load(run / "checkpoints" / "last.ckpt")
     assert resumed["global_step"] == 4
     # The optimizer continued: AdamW counted 4 steps, not 2 from a fresh start.

@@ -100,12 +100,26 @@ def listing(folder: Path) -> dict:
 def test_resume_without_t_leaves_the_run_untouched(tmp_path, trained_run):
     run = shutil.copytree(trained_run, tmp_path / "run", symlinks=True)
     before = listing(run)
-    result = run_main_here(["--resume", run], cwd=tmp_path)
+    result = run_main_here(["--resume", run, "lightning.trainer.max_steps=3"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "config checked; add -t to train"
     assert "resuming from" not in result.stderr  # it does not
     assert f"would resume from {run / 'checkpoints'}" in result.stderr
     assert listing(run) == before  # no config appended, no folder made, nothing removed
+
+
+def test_resume_with_no_step_left_is_one_line_and_leaves_the_run_untouched(tmp_path, trained_run):
+    # The run trained its 2 steps: Lightning loaded the checkpoint and stopped without a word.
+    run = shutil.copytree(trained_run, tmp_path / "run", symlinks=True)
+    before = listing(run)
+    result = run_main_here(["--resume", run, "-t"], cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    (line,) = [x for x in result.stderr.splitlines() if "error" in x]
+    assert "lightning.trainer.max_steps: 2, but " in line, line
+    assert "is at step 2: nothing is left to train" in line, line
+    assert listing(run) == before
+    checked = run_main_here(["--resume", run, "lightning.trainer.max_steps=3"], cwd=tmp_path)
+    assert checked.returncode == 0, checked.stderr
 
 
 def test_help_shows_resume_with_t():

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from run_helpers import ROOT, run_main
 
 from lun.callbacks.signals import exit_status
+from lun.run import newest_checkpoint
 
 TESTS = os.pathsep.join(
     [str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
@@ -228,9 +229,10 @@ def test_stale_temporaries_are_removed_when_a_run_resumes(finished_run, tmp_path
     for path in (old_folder, old_folder / "checkpoint", old_folder / "checkpoint" / "shard.pt"):
         os.utime(path, (two_hours_ago, two_hours_ago))
 
-    # -t at the run's max_steps: the run folder is set up, no step trained (without -t a check
-    # touches nothing: tests/test_newcomer.py)
-    result = launch(["-r", str(run), "-t"], tmp_path)
+    # -t: the run folder is set up, then one more step (without -t a check touches nothing:
+    # tests/e2e/test_quiet_run.py; at its max_steps the resume is refused before the folder)
+    _, step = newest_checkpoint(checkpoints)
+    result = launch(["-r", str(run), f"lightning.trainer.max_steps={step + 1}", "-t"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert not killed.exists() and not old_folder.exists()
     assert writing.exists() and new_folder.exists() and not_ours.exists()

@@ -357,13 +357,14 @@ def test_unsafe_load_lets_resume_trust_the_file(
     monkeypatch.setattr(Trainer, "fit", lambda trainer, *args, **kwargs: given.update(kwargs))
     evil = evil_file(tmp_path / "run" / "checkpoints" / "last.ckpt", SystemPayload(tmp_path / "S"))
     data = f"data.params.train.params.data_root={shapes_dir}"
+    data += " lightning.trainer.max_steps=3"  # one step past the file's
     status, _, err, _ = launch(
-        "--base", str(tiny_config), data, "-r", str(evil), "--unsafe-load", "-t"
+        "--base", str(tiny_config), *data.split(), "-r", str(evil), "--unsafe-load", "-t"
     )
     assert status == 0, err
     assert given["ckpt_path"] == str(evil) and given["weights_only"] is False
     given.clear()
-    status, _, err, _ = launch("--base", str(tiny_config), data, "-r", str(evil), "-t")
+    status, _, err, _ = launch("--base", str(tiny_config), *data.split(), "-r", str(evil), "-t")
     assert status == 2 and given == {}  # without the flag: refused, fit never called
 
 
