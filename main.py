@@ -248,6 +248,7 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
 
     from lun.data.latent_cache import check_cached_data
     from lun.run import check_strategy_fits, nothing_left_problem
+    from lun.strategies import shape_problem
     from lun.trainer import (
         build_data,
         build_model,
@@ -271,6 +272,8 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
         check_strategy_fits(model, trainer.strategy, resuming=launch.ckpt_path is not None)
         problems = [clipping_problem(model, trainer), image_size_problem(model, data)]
+        if launch.ckpt_path is not None:
+            problems.append(shape_problem(launch.ckpt_path, model, opt.unsafe_load))
         if launch.ckpt_path is not None and not opt.validate_only:
             problems.append(nothing_left_problem(launch.ckpt_path, trainer.max_steps))
         for problem in problems:

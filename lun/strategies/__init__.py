@@ -39,7 +39,7 @@ from lightning.pytorch.strategies import DeepSpeedStrategy as LightningDeepSpeed
 from lightning.pytorch.strategies import FSDPStrategy as LightningFSDPStrategy
 
 from ldm.util import instantiate_from_config
-from lun.strategies.checkpoint import check_checkpoint, load_training_checkpoint
+from lun.strategies.checkpoint import check_checkpoint, load_training_checkpoint, shape_problem
 from lun.strategies.common import CALLBACK_STATE_KEY, Sharding
 from lun.strategies.deepspeed import DeepSpeedStrategy
 from lun.strategies.fsdp import FSDPStrategy
@@ -55,6 +55,7 @@ __all__ = [
     "find_unused_parameters",
     "gathered_parameters",
     "load_training_checkpoint",
+    "shape_problem",
     "sharding",
     "shards_weights",
     "strategy_kind",

@@ -54,6 +54,39 @@ def check_checkpoint(path: str | Path, unsafe: bool = False) -> None:
         safe_load.check_pickle(file, records)
 
 
+def shape_problem(path: str | Path, model, unsafe: bool = False) -> str | None:
+    """One line when a checkpoint file to resume holds a tensor of another shape than the built
+    model's of the same name: the config changed since the run (a LoRA rank, a width). Lightning
+    would fail inside fit, after the run folder took the new config, with a size-mismatch line
+    per tensor. The file's tensors stay on disk (memory-mapped: only their shapes are read); the
+    module's own hook puts its names in the module's layout (a LoRA run's adapters) first. A
+    DeepSpeed or sharded folder is the engines' to read: not checked here."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    state = safe_load.load_file_state(path, unsafe=unsafe, mmap=True).get("state_dict")
+    if not isinstance(state, dict):
+        return None
+    probe = {"state_dict": dict(state)}
+    model.on_load_checkpoint(probe)
+    own = model.state_dict()
+    wrong = [
+        (key, tuple(value.shape), tuple(own[key].shape))
+        for key, value in probe["state_dict"].items()
+        if key in own and hasattr(value, "shape") and tuple(value.shape) != tuple(own[key].shape)
+    ]
+    if not wrong:
+        return None
+    key, saved, built = wrong[0]
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    shape = lambda dims: "x".join(map(str, dims)) or "scalar"  # noqa: E731
+    return (
+        f"--resume: {path} holds {key} as {shape(saved)}, this config builds {shape(built)}"
+        f"{more}: the model's settings differ from the run's (a LoRA rank, a width); resume "
+        "with the run's settings, or start a new run from its weights (model.params.ckpt_path)"
+    )
+
+
 def load_training_checkpoint(path: str | Path, unsafe: bool = False, mmap: bool = False) -> dict:
     """Any training checkpoint as one `{"state_dict": ..., "global_step": ...}` dict in CPU memory.
 

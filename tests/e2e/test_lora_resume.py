@@ -12,6 +12,7 @@ compares the EMA, optimizer state and step; this file the adapters (`lora.*`).""
 import pytest
 import torch
 from lora_helpers import build
+from run_helpers import run_main_here
 from test_resume import (
     AT_EPOCH_END,
     DEMO,
@@ -51,3 +52,17 @@ def test_lora_resume_is_bitwise_exact_and_a_longer_resume_follows_the_config(tmp
     assert len(saved["optimizer_states"][0]["state"]) == len(got)
 
     assert_a_longer_resume_follows_the_config(resumed, tmp_path)
+
+    # Another rank on resume: one line naming an adapter, before the run folder takes the
+    # config (it was a size-mismatch line per tensor inside fit, and the run's saved configs
+    # kept rank 4, so that a later plain --resume failed the same way).
+    configs = sorted((resumed / "configs").iterdir())
+    wider = LORA.replace("rank: 2, alpha", "rank: 4, alpha")
+    result = run_main_here(
+        ["-r", resumed, f"model.params.lora={wider}", "lightning.trainer.max_steps=99", "-t"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = [x for x in result.stderr.splitlines() if "error" in x]
+    assert "lora_" in line and " as 2x" in line and "this config builds 4x" in line, line
+    assert sorted((resumed / "configs").iterdir()) == configs
