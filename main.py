@@ -275,7 +275,9 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
         if launch.ckpt_path is not None:
             problems.append(shape_problem(launch.ckpt_path, model, opt.unsafe_load))
         if launch.ckpt_path is not None and not opt.validate_only:
-            problems.append(nothing_left_problem(launch.ckpt_path, trainer.max_steps))
+            problems.append(
+                nothing_left_problem(launch.ckpt_path, trainer.max_steps, trainer.max_epochs)
+            )
         for problem in problems:
             if problem:
                 raise ConfigError(problem)

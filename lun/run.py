@@ -190,10 +190,9 @@ def _step_file(folder: Path) -> Path | None:
     return found[0] if found else None
 
 
-def checkpoint_step(path: Path, need_training_state: bool = False) -> int | None:
-    """The global step a checkpoint was saved at, read without loading its tensors; None when it
-    is not a complete torch checkpoint (or, with `need_training_state`, a file without optimizer
-    state: `save_weights_only`)."""
+def _plain_values(path: Path) -> dict | None:
+    """A checkpoint's plain values (global step, loop progress, ...) read without loading its
+    tensors; None when it is not a complete torch checkpoint."""
     file = _step_file(path) if path.is_dir() else path
     if file is None:
         return None
@@ -210,21 +209,50 @@ def checkpoint_step(path: Path, need_training_state: bool = False) -> int | None
         return None
     if not isinstance(contents, dict) or not isinstance(contents.get("global_step"), int):
         return None
-    if need_training_state and file == path and "optimizer_states" not in contents:
+    return contents
+
+
+def checkpoint_step(path: Path, need_training_state: bool = False) -> int | None:
+    """The global step a checkpoint was saved at, read without loading its tensors; None when it
+    is not a complete torch checkpoint (or, with `need_training_state`, a file without optimizer
+    state: `save_weights_only`)."""
+    contents = _plain_values(path)
+    if contents is None:
+        return None
+    if need_training_state and path.is_file() and "optimizer_states" not in contents:
         return None
     return contents["global_step"]
 
 
-def nothing_left_problem(checkpoint: Path, max_steps: int) -> str | None:
-    """One line when the checkpoint to resume is at `max_steps` already (or past it): Lightning
-    would load it and stop at once, having trained nothing, without a word."""
-    step = checkpoint_step(checkpoint)
-    if max_steps < 0 or step is None or step < max_steps:
+def _epochs_done(contents: dict) -> int | None:
+    """Epochs a checkpoint's fit loop counts as done: the `processed` count its `done` compares
+    with max_epochs (Lightning's fit_loop.py: `completed` lags it in the epoch-end save)."""
+    try:
+        return int(contents["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+    except (KeyError, TypeError, ValueError):
         return None
-    return (
-        f"lightning.trainer.max_steps: {max_steps}, but {checkpoint} is at step {step}: nothing "
-        f"is left to train; resume with lightning.trainer.max_steps=N for an N above {step}"
-    )
+
+
+def nothing_left_problem(checkpoint: Path, max_steps: int, max_epochs: int | None) -> str | None:
+    """One line when the checkpoint to resume has reached `max_steps` or `max_epochs` already:
+    Lightning would load it and stop at once, having trained nothing, without a word."""
+    contents = _plain_values(checkpoint)
+    if contents is None:
+        return None
+    step, epochs = contents["global_step"], _epochs_done(contents)
+    if max_steps >= 0 and step >= max_steps:
+        return (
+            f"lightning.trainer.max_steps: {max_steps}, but {checkpoint} is at step {step}: "
+            f"nothing is left to train; resume with lightning.trainer.max_steps=N for an N "
+            f"above {step}"
+        )
+    if max_epochs is not None and max_epochs >= 0 and epochs is not None and epochs >= max_epochs:
+        return (
+            f"lightning.trainer.max_epochs: {max_epochs}, but {checkpoint} has trained {epochs} "
+            f"epoch(s): nothing is left to train; resume with lightning.trainer.max_epochs=N for "
+            f"an N above {epochs}"
+        )
+    return None
 
 
 def saved_configs(run: RunDir) -> list[Path]:

@@ -55,9 +55,22 @@ def test_folders_are_left_to_their_engines(tmp_path):
 
 def test_nothing_left_to_train(tmp_path):
     path = saved(tmp_path, Tiny(4), step=5)
-    assert nothing_left_problem(path, max_steps=6) is None
-    assert nothing_left_problem(path, max_steps=-1) is None  # no step limit: epochs decide
+    assert nothing_left_problem(path, max_steps=6, max_epochs=None) is None
+    assert nothing_left_problem(path, max_steps=-1, max_epochs=-1) is None  # no limit
     for max_steps in (5, 3):
-        line = nothing_left_problem(path, max_steps)
+        line = nothing_left_problem(path, max_steps, max_epochs=None)
         assert line.startswith(f"lightning.trainer.max_steps: {max_steps}, but {path} is at step 5")
         assert "N above 5" in line
+
+
+def test_nothing_left_to_train_by_epochs(tmp_path):
+    # What Lightning's fit loop compares with max_epochs (fit_loop.py `done`): the epochs
+    # `processed`, which the save at an epoch's end has counted and `completed` not yet.
+    path = tmp_path / "last.ckpt"
+    progress = {"current": {"ready": 2, "started": 2, "processed": 2, "completed": 1}}
+    loops = {"fit_loop": {"epoch_progress": progress}}
+    torch.save({"state_dict": {}, "global_step": 6, "loops": loops}, path)
+    assert nothing_left_problem(path, max_steps=-1, max_epochs=3) is None
+    line = nothing_left_problem(path, max_steps=-1, max_epochs=2)
+    assert line.startswith(f"lightning.trainer.max_epochs: 2, but {path} has trained 2 epoch")
+    assert nothing_left_problem(path, max_steps=100, max_epochs=2) is not None  # either limit
