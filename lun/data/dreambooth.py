@@ -41,7 +41,16 @@ logger = logging.getLogger("lun.data")
 
 
 def _list_images(root: str) -> list[str]:
-    return [os.path.join(root, rel) for rel, size, _ in walk(root) if is_image(rel) and size > 0]
+    """The images under `root`; zero-byte files and broken links are named in the log, left out."""
+    broken, images = [], []
+    for rel, size, _ in walk(root, broken):
+        if is_image(rel) and size == 0:
+            logger.warning("skipped %s: zero bytes", os.path.join(root, rel))
+        elif is_image(rel):
+            images.append(os.path.join(root, rel))
+    for rel in filter(is_image, broken):
+        logger.warning("skipped %s: broken link", os.path.join(root, rel))
+    return images
 
 
 def check_instance_settings(data_root, instance_prompt) -> None:

@@ -22,7 +22,8 @@ logger = logging.getLogger("lun.data")
 
 # 2: metadata paths outside data_root are refused; the index lists files kept with a note.
 # 3: the index counts the metadata files that consider_every_nth passed over.
-CACHE_VERSION = 3
+# 4: files under metadata/ that are not .json are counted (skipped), not passed over.
+CACHE_VERSION = 4
 # Header reads are mostly I/O waits (network file systems especially); threads overlap them.
 HEADER_THREADS = 16
 
@@ -48,11 +49,13 @@ class StringArray:
         return self._buffer[start:end].tobytes().decode("utf-8")
 
 
-def walk(root: str) -> list[tuple[str, int, int]]:
+def walk(root: str, broken: list | None = None) -> list[tuple[str, int, int]]:
     """(path relative to root with "/" separators, size, mtime_ns) of each file, sorted.
 
     Hidden files and folders (".DS_Store", macOS "._name.jpg" resource forks, caches) are left
-    out; symlinked folders are followed once (a link loop is not walked twice).
+    out; symlinked folders are followed once (a link loop is not walked twice). A symlink whose
+    target is gone is not a file: it is appended to `broken` (relative path), when given, for
+    the caller to count.
     """
     listing, stack, seen = [], [(root, "")], set()
     while stack:
@@ -75,6 +78,8 @@ def walk(root: str) -> list[tuple[str, int, int]]:
                 elif entry.is_file():
                     stat = entry.stat()
                     listing.append((prefix + entry.name, stat.st_size, stat.st_mtime_ns))
+                elif broken is not None and entry.is_symlink():
+                    broken.append(prefix + entry.name)
             except OSError as err:  # a dangling symlink or a file removed while walking
                 logger.debug("cannot stat %s: %s", entry.path, err)
     listing.sort()
@@ -165,6 +170,24 @@ def flat_records(listing) -> tuple[dict, list]:
         records["image"].append(rel)
         records["caption"].append(next((c for c in candidates if c in sizes), None))
     return records, skipped
+
+
+# Caption tables of other layouts (Hugging Face imagefolder's metadata.jsonl / .csv, a LAION
+# export's .parquet) that flat-file mode does not read: named when no image has a .txt caption.
+CAPTION_TABLES = (".jsonl", ".csv", ".tsv", ".parquet")
+
+
+def captions_elsewhere(listing) -> str | None:
+    """Where a folder whose images have no .txt caption keeps its captions, if we can tell: a
+    metadata/**/*.json (metadata mode's layout) or a caption table at the top (or in images/)."""
+    for rel, _, _ in listing:
+        if rel.startswith("metadata/") and rel.lower().endswith(".json"):
+            return rel
+    for rel, _, _ in listing:
+        top = rel[len("images/") :] if rel.startswith("images/") else rel
+        if "/" not in top and top.lower().endswith(CAPTION_TABLES):
+            return rel
+    return None
 
 
 def read_aspects(path_of, records: dict, max_pixels: int) -> list:

@@ -41,9 +41,11 @@ from lun.data.images import (
 from lun.data.index import (
     StringArray,
     cache_key,
+    captions_elsewhere,
     default_cache_dir,
     describe_listing,
     flat_records,
+    is_image,
     keep_rows,
     load_cached,
     read_aspects,
@@ -105,6 +107,13 @@ def _accept_mode(mode) -> None:
         "a dataset's use",
         mode,
     )
+
+
+def _link_target(path: str) -> str:
+    try:
+        return f"-> {os.readlink(path)}"
+    except OSError:
+        return ""
 
 
 class Local(torch.utils.data.Dataset):
@@ -189,7 +198,7 @@ class Local(torch.utils.data.Dataset):
         cache_dir = default_cache_dir() if cache_dir is None else cache_dir
         listing, records = self._index(need_aspect, cache_dir)  # sets self.counts
         self.scores = None  # metadata mode: (raw, after tag bonuses) of every indexed item
-        captions = self._captions_of(records)
+        captions = self._captions_of(records, listing)
         rows = range(len(records["image"]))
         if limit_images is not None and limit_images < len(rows):
             rows = sorted(random.Random(0).sample(rows, int(limit_images)))
@@ -218,7 +227,8 @@ class Local(torch.utils.data.Dataset):
     def _index(self, need_aspect: bool, cache_dir) -> tuple[list, dict]:
         """Walk the folder and build its records, or load them from the cache."""
         start = time.perf_counter()
-        listing = list_files(self.data_root) if self._cache else walk(self.data_root)
+        broken = []  # symlinks whose target is gone: counted below, never cached
+        listing = list_files(self.data_root) if self._cache else walk(self.data_root, broken)
         if self._cache is not None:
             self._listing = {rel: {"size": size, "version": stamp} for rel, size, stamp in listing}
         every_nth = self.metadata.consider_every_nth if self.metadata else None
@@ -258,6 +268,9 @@ class Local(torch.utils.data.Dataset):
             rules += [f"exclude_every_nth={exclude_nth}"] * bool(exclude_nth)
             dropped[f"not every nth ({', '.join(rules)})"] = index["not_every_nth"]
         dropped.update(reason for _, reason, _ in index["skipped"])
+        broken = [(rel, "broken link", _link_target(self.path(rel))) for rel in broken]
+        broken = [entry for entry in broken if is_image(entry[0])]
+        dropped.update(reason for _, reason, _ in broken)
         # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
         # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.
         self.counts = {
@@ -266,7 +279,7 @@ class Local(torch.utils.data.Dataset):
             "indexed": len(index["records"]["image"]),
             "noted": Counter(reason for _, reason, _ in index["noted"]),
         }
-        for rel, reason, detail in index["skipped"]:
+        for rel, reason, detail in index["skipped"] + broken:
             self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
         for rel, reason, detail in index["noted"]:
             self.bad_input.warn(os.path.join(self.data_root, rel), reason, detail)
@@ -279,7 +292,7 @@ class Local(torch.utils.data.Dataset):
         )
         return listing, index["records"]
 
-    def _captions_of(self, records: dict) -> list[str | None]:
+    def _captions_of(self, records: dict, listing) -> list[str | None]:
         """Apply the caption rules, dropping rows from `records` in place; one entry per row.
 
         Flat files: the caption file's path (None: none found - kept with a warning, or left out).
@@ -309,6 +322,18 @@ class Local(torch.utils.data.Dataset):
             and uncaptioned == len(records["caption"])
             and self.missing_caption != "skip"
         ):
+            elsewhere = captions_elsewhere(listing)
+            if elsewhere is not None:  # the captions are there, in a layout not read here
+                how = (
+                    "set metadata_params (metadata_params: {} for the defaults) to read them"
+                    if elsewhere.startswith("metadata/")
+                    else "flat files read images/<name>.txt (or <name>.txt beside the image): "
+                    "write each caption there"
+                )
+                raise ValueError(
+                    f"data_root={self.data_root!r}: none of its {uncaptioned} images has a "
+                    f"caption file, but it holds {elsewhere}; {how}"
+                )
             # A folder of images alone (a class or a style): one line, not one per image.
             logger.warning(
                 "%s: no image has a caption: all %d train with an empty caption (the caption "
