@@ -83,17 +83,18 @@ class ClassFolder(torch.utils.data.Dataset):
         self.class_names = load_class_names(idx_to_prompt, self.classes)
         self.samples: list[tuple[str, int]] = []
         for label, folder in enumerate(self.classes):
-            broken, found = [], len(self.samples)
-            for rel, size_bytes, _ in walk(os.path.join(data_root, folder), broken):
-                path = os.path.join(folder, rel)
+            unusable, found = [], len(self.samples)
+            for rel, size_bytes, _ in walk(os.path.join(data_root, folder), unusable):
                 if not rel.lower().endswith(IMAGE_EXTENSIONS):
                     continue
                 if size_bytes == 0:
-                    logger.warning("skipped %s: zero bytes", os.path.join(data_root, path))
+                    unusable.append((rel, "zero bytes", "an empty file"))
                     continue
-                self.samples.append((path, label))
-            for rel in (r for r in broken if r.lower().endswith(IMAGE_EXTENSIONS)):
-                logger.warning("skipped %s: broken link", os.path.join(data_root, folder, rel))
+                self.samples.append((os.path.join(folder, rel), label))
+            for rel, reason, detail in unusable:
+                if rel.lower().endswith(IMAGE_EXTENSIONS):
+                    path = os.path.join(data_root, folder, rel)
+                    logger.warning("skipped %s: %s (%s)", path, reason, detail)
             if len(self.samples) == found:  # its class id exists, and is never trained
                 logger.warning("%s: class %d (%s) has no images", data_root, label, folder)
         if not self.samples:

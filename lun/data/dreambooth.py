@@ -42,14 +42,15 @@ logger = logging.getLogger("lun.data")
 
 def _list_images(root: str) -> list[str]:
     """The images under `root`; zero-byte files and broken links are named in the log, left out."""
-    broken, images = [], []
-    for rel, size, _ in walk(root, broken):
+    unusable, images = [], []
+    for rel, size, _ in walk(root, unusable):
         if is_image(rel) and size == 0:
-            logger.warning("skipped %s: zero bytes", os.path.join(root, rel))
+            unusable.append((rel, "zero bytes", "an empty file"))
         elif is_image(rel):
             images.append(os.path.join(root, rel))
-    for rel in filter(is_image, broken):
-        logger.warning("skipped %s: broken link", os.path.join(root, rel))
+    for rel, reason, detail in unusable:
+        if is_image(rel):
+            logger.warning("skipped %s: %s (%s)", os.path.join(root, rel), reason, detail)
     return images
 
 

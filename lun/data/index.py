@@ -49,15 +49,17 @@ class StringArray:
         return self._buffer[start:end].tobytes().decode("utf-8")
 
 
-def walk(root: str, broken: list | None = None) -> list[tuple[str, int, int]]:
+def walk(root: str, unusable: list | None = None) -> list[tuple[str, int, int]]:
     """(path relative to root with "/" separators, size, mtime_ns) of each file, sorted.
 
     Hidden files and folders (".DS_Store", macOS "._name.jpg" resource forks, caches) are left
-    out; symlinked folders are followed once (a link loop is not walked twice). A symlink whose
-    target is gone is not a file: it is appended to `broken` (relative path), when given, for
-    the caller to count.
+    out; symlinked folders are followed once (a link loop is not walked twice). Files that look
+    present but cannot be used are appended to `unusable` as (path, reason, detail), for the
+    caller to count (without it, logged): a symlink whose target is gone, and a name that is not
+    UTF-8 (a zip from an old Windows tool) - the index, its cache and the logs are UTF-8.
     """
     listing, stack, seen = [], [(root, "")], set()
+    found_unusable = [] if unusable is None else unusable
     while stack:
         folder, prefix = stack.pop()  # prefix: the folder relative to root, "" or ending in "/"
         real = os.path.realpath(folder)
@@ -72,18 +74,38 @@ def walk(root: str, broken: list | None = None) -> list[tuple[str, int, int]]:
         for entry in entries:
             if entry.name.startswith("."):
                 continue
+            rel = prefix + entry.name
             try:
-                if entry.is_dir():
-                    stack.append((entry.path, f"{prefix}{entry.name}/"))
+                if entry.is_dir():  # (its files are named one by one when it is not UTF-8)
+                    stack.append((entry.path, f"{rel}/"))
+                elif not _is_utf8(rel):
+                    shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+                    found_unusable.append((shown, "file name not UTF-8", RENAME_HINT))
                 elif entry.is_file():
                     stat = entry.stat()
-                    listing.append((prefix + entry.name, stat.st_size, stat.st_mtime_ns))
-                elif broken is not None and entry.is_symlink():
-                    broken.append(prefix + entry.name)
-            except OSError as err:  # a dangling symlink or a file removed while walking
+                    listing.append((rel, stat.st_size, stat.st_mtime_ns))
+                elif entry.is_symlink():
+                    found_unusable.append((rel, "broken link", f"-> {os.readlink(entry.path)}"))
+            except OSError as err:  # a file removed while walking
                 logger.debug("cannot stat %s: %s", entry.path, err)
+    if unusable is None:
+        for rel, reason, detail in found_unusable:
+            logger.warning("skipped %s: %s (%s)", os.path.join(root, rel), reason, detail)
     listing.sort()
     return listing
+
+
+# How to fix a name that is not UTF-8 (convmv ships with most Linux distributions).
+RENAME_HINT = "rename it to UTF-8, e.g. convmv -r -f cp1252 -t utf-8 --notest DIR"
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name os.scandir decoded with surrogate escapes (bytes that are not UTF-8)."""
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def describe_listing(listing) -> str:

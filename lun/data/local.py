@@ -109,13 +109,6 @@ def _accept_mode(mode) -> None:
     )
 
 
-def _link_target(path: str) -> str:
-    try:
-        return f"-> {os.readlink(path)}"
-    except OSError:
-        return ""
-
-
 class Local(torch.utils.data.Dataset):
     """Images and captions from a local folder; items are {"image": (3, H, W) float32 in [-1, 1],
     "caption": str} and the image's geometry for SDXL's size conditioning: `original_size_as_tuple`
@@ -227,8 +220,8 @@ class Local(torch.utils.data.Dataset):
     def _index(self, need_aspect: bool, cache_dir) -> tuple[list, dict]:
         """Walk the folder and build its records, or load them from the cache."""
         start = time.perf_counter()
-        broken = []  # symlinks whose target is gone: counted below, never cached
-        listing = list_files(self.data_root) if self._cache else walk(self.data_root, broken)
+        unusable = []  # broken links, names that are not UTF-8: counted below, never cached
+        listing = list_files(self.data_root) if self._cache else walk(self.data_root, unusable)
         if self._cache is not None:
             self._listing = {rel: {"size": size, "version": stamp} for rel, size, stamp in listing}
         every_nth = self.metadata.consider_every_nth if self.metadata else None
@@ -268,9 +261,8 @@ class Local(torch.utils.data.Dataset):
             rules += [f"exclude_every_nth={exclude_nth}"] * bool(exclude_nth)
             dropped[f"not every nth ({', '.join(rules)})"] = index["not_every_nth"]
         dropped.update(reason for _, reason, _ in index["skipped"])
-        broken = [(rel, "broken link", _link_target(self.path(rel))) for rel in broken]
-        broken = [entry for entry in broken if is_image(entry[0])]
-        dropped.update(reason for _, reason, _ in broken)
+        unusable = [entry for entry in unusable if is_image(entry[0])]
+        dropped.update(reason for _, reason, _ in unusable)
         # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
         # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.
         self.counts = {
@@ -279,7 +271,7 @@ class Local(torch.utils.data.Dataset):
             "indexed": len(index["records"]["image"]),
             "noted": Counter(reason for _, reason, _ in index["noted"]),
         }
-        for rel, reason, detail in index["skipped"] + broken:
+        for rel, reason, detail in index["skipped"] + unusable:
             self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
         for rel, reason, detail in index["noted"]:
             self.bad_input.warn(os.path.join(self.data_root, rel), reason, detail)
