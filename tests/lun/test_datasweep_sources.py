@@ -139,3 +139,42 @@ def test_the_latent_cache_names_the_images_it_could_not_read(tmp_path, tiny_conf
     with caplog.at_level(logging.WARNING, logger="lun"):
         assert cache_latents.main([*args, "--out", str(tmp_path / "cache"), "--workers", "0"]) == 0
     assert "1 images could not be read" in caplog.text and "truncated.jpg (" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "option, line",
+    [
+        (["--batch-size", "0"], "--batch-size=0: expected a whole number >= 1"),
+        (["--shard-size", "-3"], "--shard-size=-3: expected a whole number >= 1"),
+        (["--workers", "-1"], "--workers=-1: expected a whole number >= 0"),
+        (["--processes", "0"], "--processes=0: expected a whole number >= 1"),
+        (["--out", "FILE"], "FILE: is a file, not a folder; give the cache folder as --out"),
+    ],
+)
+def test_cache_options_out_of_range_are_one_line_exit_2(
+    tmp_path, tiny_config, capsys, option, line
+):
+    """A batch size of 0 failed mid-run, a negative shard size wrote an empty cache, a file as
+    --out was a traceback."""
+    (tmp_path / "FILE").write_text("")
+    option = [str(tmp_path / "FILE") if a == "FILE" else a for a in option]
+    args = ["--base", str(tiny_config), f"data.params.train.params.data_root={tmp_path}"]
+    out = [] if "--out" in option else ["--out", str(tmp_path / "cache")]
+    assert cache_latents.main([*args, *out, *option]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "config error: " + line.replace(
+        "FILE", str(tmp_path / "FILE")
+    )
+    assert not (tmp_path / "cache").exists()
+
+
+def test_make_metadata_set_refuses_sizes_below_one(tmp_path, monkeypatch, capsys):
+    import make_metadata_set
+
+    for option in (["--items", "0"], ["--image-size", "0"]):
+        monkeypatch.setattr(sys, "argv", ["make_metadata_set.py", "--out", str(tmp_path / "s")])
+        sys.argv += option
+        with pytest.raises(SystemExit) as stopped:
+            make_metadata_set.main()
+        assert stopped.value.code == 2
+        assert f"error: {option[0]}=0: expected a whole number >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
