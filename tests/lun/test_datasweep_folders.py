@@ -43,6 +43,20 @@ def _sideways(path, fmt):
     return _save(path, _red_left_blue_right(), fmt, exif=exif.tobytes())
 
 
+def _late_exif_png(path):
+    """A sideways PNG whose eXIf chunk comes after IDAT (as older PNG tools write it)."""
+    buffer = io.BytesIO()
+    _red_left_blue_right().save(buffer, "PNG")
+    data = buffer.getvalue()
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    body = b"eXIf" + exif.tobytes()
+    chunk = struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+    end = data.rindex(b"IEND") - 4
+    path.write_bytes(data[:end] + chunk + data[end:])
+    return path
+
+
 def _jpeg_bytes() -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", (16, 8), (200, 10, 10)).save(buffer, "JPEG")
@@ -90,6 +104,8 @@ def test_every_image_kind_decodes_upright_8bit_rgb(tmp_path):
         assert image.size == (8, 16) and image_size(str(path)) == (8, 16), fmt
         top, bottom = image.getpixel((4, 2)), image.getpixel((4, 13))
         assert top[0] > 200 > top[2] and bottom[2] > 200 > bottom[0], (fmt, top, bottom)
+    late = _late_exif_png(tmp_path / "late.png")  # orientation 6 after the pixels
+    assert decode_image(str(late)).size == (8, 16)
     for name, first_pixel in _kinds(tmp_path).items():
         image = decode_image(str(tmp_path / name))
         assert image.mode == "RGB", name
