@@ -262,6 +262,10 @@ class Local(torch.utils.data.Dataset):
             dropped[f"not every nth ({', '.join(rules)})"] = index["not_every_nth"]
         dropped.update(reason for _, reason, _ in index["skipped"])
         unusable = [entry for entry in unusable if is_image(entry[0])]
+        if self.metadata is not None:  # items are metadata files: a file they name is "not found"
+            for rel, reason, detail in unusable:
+                logger.warning("%s: %s (%s)", os.path.join(self.data_root, rel), reason, detail)
+            unusable = []
         dropped.update(reason for _, reason, _ in unusable)
         # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
         # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.
