@@ -282,6 +282,7 @@ def test_sets_and_buckets_smaller_than_a_batch_say_that_batches_repeat(tmp_path,
     for i in range(4):
         _save(tmp_path / "buckets" / f"{i}.png", Image.new("RGB", (32, 32)))
     _save(tmp_path / "buckets" / "wide.png", Image.new("RGB", (64, 16)))
+    _sideways(tmp_path / "buckets" / "tall.jpg", "JPEG")  # stored 16x8, shown 8x16
     buckets = {"area": 1024, "step": 8}
     params = {"data_root": str(tmp_path / "buckets"), "size": 32, "buckets": buckets}
     caplog.clear()
@@ -290,20 +291,25 @@ def test_sets_and_buckets_smaller_than_a_batch_say_that_batches_repeat(tmp_path,
     assert sorted(tuple(batch["image"].shape) for batch in epoch) == [
         (4, 3, 24, 40),  # the one wide image, four times
         (4, 3, 32, 32),
+        (4, 3, 40, 24),  # the EXIF-rotated one: a tall bucket, as it is shown
     ]
-    assert "1 of 2 buckets hold fewer images than a batch of 4 (40x24: 1)" in caplog.text
+    assert "2 of 3 buckets hold fewer images than a batch of 4 (24x40: 1, 40x24: 1)" in (
+        caplog.text
+    )
 
 
 def test_a_20_image_dreambooth_set_serves_each_image_once_per_epoch(tmp_path, caplog):
     for i in range(20):
         _save(tmp_path / "dog" / f"{i:02d}.png", Image.new("RGB", (8, 8), (i * 12, 0, 0)))
     (tmp_path / "dog" / "empty.png").write_bytes(b"")
+    (tmp_path / "dog" / "00.txt").write_text("a dog on grass")  # not read: said so
     params = {"data_root": str(tmp_path / "dog"), "instance_prompt": "a sks dog", "size": 8}
     with caplog.at_level(logging.WARNING, logger="lun.data"):
         epochs = _train_batches(
             {"target": "lun.data.dreambooth.DreamBooth", "params": params}, 4, 3
         )
     assert "empty.png: zero bytes" in caplog.text
+    assert "its 1 .txt files are not read - DreamBooth captions every image" in caplog.text
     for batches in epochs:
         reds = sorted(
             round(float(v)) for b in batches for v in (b["image"][:, 0, 0, 0] + 1) * 127.5
