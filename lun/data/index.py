@@ -22,7 +22,8 @@ logger = logging.getLogger("lun.data")
 
 # 2: metadata paths outside data_root are refused; the index lists files kept with a note.
 # 3: the index counts the metadata files that consider_every_nth passed over.
-# 4: files under metadata/ that are not .json are counted (skipped), not passed over.
+# 4: files under metadata/ that are not .json are counted (skipped), not passed over; a caption
+#    file's extension matches in any case (a.TXT).
 CACHE_VERSION = 4
 # Header reads are mostly I/O waits (network file systems especially); threads overlap them.
 HEADER_THREADS = 16
@@ -177,6 +178,8 @@ def flat_records(listing) -> tuple[dict, list]:
     Returns columns {"image", "caption" (None when missing)} and [(path, reason, detail)] skipped.
     """
     sizes = {rel: size for rel, size, _ in listing}
+    # Caption files by their name with a lower-case ".txt": "a.TXT" (Windows) is a's caption too.
+    texts = {rel[:-4] + ".txt": rel for rel in sizes if rel[-4:].lower() == ".txt"}
     prefix = "images/" if any(rel.startswith("images/") for rel in sizes) else ""
     records, skipped = {"image": [], "caption": []}, []
     for rel, size in sizes.items():
@@ -190,7 +193,7 @@ def flat_records(listing) -> tuple[dict, list]:
         stem = os.path.splitext(rel)[0]
         candidates = (f"captions/{stem[len(prefix) :]}.txt", f"{stem}.txt")
         records["image"].append(rel)
-        records["caption"].append(next((c for c in candidates if c in sizes), None))
+        records["caption"].append(next((texts[c] for c in candidates if c in texts), None))
     return records, skipped
 
 
@@ -199,16 +202,26 @@ def flat_records(listing) -> tuple[dict, list]:
 CAPTION_TABLES = (".jsonl", ".csv", ".tsv", ".parquet")
 
 
-def captions_elsewhere(listing) -> str | None:
-    """Where a folder whose images have no .txt caption keeps its captions, if we can tell: a
-    metadata/**/*.json (metadata mode's layout) or a caption table at the top (or in images/)."""
+def captions_elsewhere(listing) -> tuple[str, str] | None:
+    """Where a folder whose images have no .txt caption keeps its captions, if we can tell, and
+    what to do: metadata/**/*.json (metadata mode's layout), `.caption` files (kohya-ss's
+    fine-tuning default), or a caption table at the top (or in images/)."""
     for rel, _, _ in listing:
         if rel.startswith("metadata/") and rel.lower().endswith(".json"):
-            return rel
+            return rel, "set metadata_params (metadata_params: {} for the defaults) to read them"
+    for rel, _, _ in listing:
+        if rel.lower().endswith(".caption"):
+            return rel, (
+                "captions are read from <name>.txt: rename the .caption files "
+                '(for f in $(find DIR -name \'*.caption\'); do mv "$f" "${f%.caption}.txt"; done)'
+            )
     for rel, _, _ in listing:
         top = rel[len("images/") :] if rel.startswith("images/") else rel
         if "/" not in top and top.lower().endswith(CAPTION_TABLES):
-            return rel
+            return rel, (
+                "flat files read images/<name>.txt (or <name>.txt beside the image): "
+                "write each caption there"
+            )
     return None
 
 

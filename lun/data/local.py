@@ -320,15 +320,9 @@ class Local(torch.utils.data.Dataset):
         ):
             elsewhere = captions_elsewhere(listing)
             if elsewhere is not None:  # the captions are there, in a layout not read here
-                how = (
-                    "set metadata_params (metadata_params: {} for the defaults) to read them"
-                    if elsewhere.startswith("metadata/")
-                    else "flat files read images/<name>.txt (or <name>.txt beside the image): "
-                    "write each caption there"
-                )
                 raise ValueError(
                     f"data_root={self.data_root!r}: none of its {uncaptioned} images has a "
-                    f"caption file, but it holds {elsewhere}; {how}"
+                    f"caption file, but it holds {elsewhere[0]}; {elsewhere[1]}"
                 )
             # A folder of images alone (a class or a style): one line, not one per image.
             logger.warning(

@@ -159,6 +159,7 @@ def _messy_folder(root):
     }
     for stem, data in captions.items():
         (images / f"{stem}.txt").write_bytes(data)
+    (images / "UPPER.TXT").write_bytes(b"shouting")  # a Windows tool's upper-case extension
     return root, first_pixels
 
 
@@ -171,8 +172,10 @@ EXPECTED_CAPTIONS = {
     "images/one.png": "(tag:1.2), [other], tag3",
     "images/rotated.jpg": LONG,
     "images/café ñ 猫.png": "unicode ✓",
+    "images/UPPER.JPG": "shouting",
+    "images/UPPER.WEBP": "shouting",  # the same stem: the same caption
 }
-UNCAPTIONED = ["UPPER.JPG", "UPPER.WEBP", "anim.webp", "link.png", "text.jpg", "truncated.jpg"]
+UNCAPTIONED = ["anim.webp", "link.png", "text.jpg", "truncated.jpg"]
 UNCAPTIONED += ["upper.JPEG"]
 
 
@@ -188,7 +191,7 @@ def test_a_messy_folder_is_read_counted_and_named(tmp_path, caplog):
         "broken link": 1,
         "file name not UTF-8": 1,
     }
-    assert dataset.counts["noted"] == {"no caption (trained with an empty caption)": 7}
+    assert dataset.counts["noted"] == {"no caption (trained with an empty caption)": 5}
     for reason in ("zero.jpg: zero bytes", "dangling.png: broken link", "caf\\xe9.png: file name"):
         assert reason in caplog.text
 
@@ -233,11 +236,12 @@ def test_the_report_counts_the_messy_folder_and_lists_each_problem(tmp_path, cap
         ("metadata.jsonl", "holds metadata.jsonl; flat files read images/<name>.txt"),
         ("images/metadata.csv", "holds images/metadata.csv; flat files read"),
         ("metadata/0.json", "holds metadata/0.json; set metadata_params"),
+        ("images/a.caption", "holds images/a.caption; captions are read from <name>.txt: rename"),
     ],
 )
 def test_captions_kept_in_a_layout_not_read_are_one_line_exit_2(tmp_path, capsys, table, what):
-    """Hugging Face imagefolder's metadata.jsonl, a CSV, or metadata mode without
-    metadata_params: every image trained with an empty caption after one warning."""
+    """Hugging Face imagefolder's metadata.jsonl, a CSV, metadata mode without metadata_params,
+    kohya-ss's .caption files: every image trained with an empty caption after one warning."""
     root = tmp_path / "data"
     _save(root / "images" / "a.png", Image.new("RGB", (8, 8)))
     (root / table).parent.mkdir(parents=True, exist_ok=True)
