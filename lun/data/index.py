@@ -79,7 +79,7 @@ def walk(root: str, unusable: list | None = None) -> list[tuple[str, int, int]]:
             try:
                 if entry.is_dir():  # (its files are named one by one when it is not UTF-8)
                     stack.append((entry.path, f"{rel}/"))
-                elif not _is_utf8(rel):
+                elif not rel.isascii() and not _is_utf8(rel):
                     shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
                     found_unusable.append((shown, "file name not UTF-8", RENAME_HINT))
                 elif entry.is_file():
