@@ -82,6 +82,8 @@ def load_config(opt, dotlist) -> dict:
     opt.out = opt.out or params.get("cache")
     if not opt.out:
         raise ConfigError("--out: give the cache folder (or set data.params.cache)")
+    if os.path.exists(opt.out) and not os.path.isdir(opt.out):
+        raise ConfigError(f"{opt.out}: is a file, not a folder; give the cache folder as --out")
     return config
 
 
@@ -189,11 +191,31 @@ def main(argv=None) -> int:
             logger.removeHandler(handler)
 
 
-def _main(opt, dotlist, argv) -> int:
-    if opt.processes > 1 and "RANK" not in os.environ:
-        return spawn(opt, argv)
+def check_options(opt) -> None:
+    """ConfigError naming the first option out of range, before a process is started or a model
+    built (a batch size of 0 failed mid-run; a negative shard size wrote an empty cache)."""
     from lun.config import ConfigError
 
+    for flag, value, lowest in (
+        ("--batch-size", opt.batch_size, 1),
+        ("--shard-size", opt.shard_size, 1),
+        ("--processes", opt.processes, 1),
+        ("--workers", opt.workers, 0),
+    ):
+        if value is not None and value < lowest:
+            raise ConfigError(f"{flag}={value}: expected a whole number >= {lowest}")
+
+
+def _main(opt, dotlist, argv) -> int:
+    from lun.config import ConfigError
+
+    try:
+        check_options(opt)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if opt.processes > 1 and "RANK" not in os.environ:
+        return spawn(opt, argv)
     try:
         return run(opt, dotlist)
     except ConfigError as err:

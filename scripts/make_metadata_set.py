@@ -133,6 +133,12 @@ def main() -> None:
     parser.add_argument("--unique", action="store_true", help="one image file per item")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    # One line and exit status 2 (argparse's), before anything is written.
+    for flag, value in (("--items", args.items), ("--image-size", args.image_size)):
+        if value < 1:
+            parser.error(f"{flag}={value}: expected a whole number >= 1")
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out}: is a file; give the folder to write the set in")
     every_nth = PARAMS["consider_every_nth"]
     per_fate = args.items // every_nth // len(FATES)
     fates = dict.fromkeys(FATES, per_fate)

@@ -83,9 +83,20 @@ class ClassFolder(torch.utils.data.Dataset):
         self.class_names = load_class_names(idx_to_prompt, self.classes)
         self.samples: list[tuple[str, int]] = []
         for label, folder in enumerate(self.classes):
-            for rel, size_bytes, _ in walk(os.path.join(data_root, folder)):
-                if rel.lower().endswith(IMAGE_EXTENSIONS) and size_bytes > 0:
-                    self.samples.append((os.path.join(folder, rel), label))
+            unusable, found = [], len(self.samples)
+            for rel, size_bytes, _ in walk(os.path.join(data_root, folder), unusable):
+                if not rel.lower().endswith(IMAGE_EXTENSIONS):
+                    continue
+                if size_bytes == 0:
+                    unusable.append((rel, "zero bytes", "an empty file"))
+                    continue
+                self.samples.append((os.path.join(folder, rel), label))
+            for rel, reason, detail in unusable:
+                if rel.lower().endswith(IMAGE_EXTENSIONS):
+                    path = os.path.join(data_root, folder, rel)
+                    logger.warning("skipped %s: %s (%s)", path, reason, detail)
+            if len(self.samples) == found:  # its class id exists, and is never trained
+                logger.warning("%s: class %d (%s) has no images", data_root, label, folder)
         if not self.samples:
             raise ValueError(
                 f"data_root={data_root!r}: no images in its {len(self.classes)} class folders"

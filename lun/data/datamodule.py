@@ -35,6 +35,7 @@ For the launcher:
 
 import difflib
 import functools
+import logging
 import os
 import warnings
 
@@ -50,6 +51,8 @@ from lun.config import ConfigError
 from lun.data.buckets import BucketBatchSampler
 from lun.data.held_out import check_held_out
 from lun.rng import seeded
+
+logger = logging.getLogger("lun.data")
 
 LOADER_KEYS = ("batch_size", "num_workers", "persistent_workers", "pin_memory")
 # What each loader setting may be: key -> (test, allowed), checked before any loader exists.
@@ -171,6 +174,32 @@ class EpochLoader(DataLoader):
             epoch, position = ordering.epoch, ordering.position
             self._next_batch = (epoch, position) if position < len(ordering) else (epoch + 1, 0)
             yield next(batches)
+
+
+def _warn_small_groups(split: str, dataset, groups, batch_size: int) -> None:
+    """One line when a training set (or one of its buckets) holds fewer images than a batch: the
+    sampler fills such batches by repeating their images (lun.data.buckets), which weights them
+    more than the rest - a choice the user should see, not find out."""
+    groups = np.zeros(len(dataset), dtype=np.int64) if groups is None else np.asarray(groups)
+    counts = np.bincount(groups)
+    small = [(g, int(n)) for g, n in enumerate(counts) if 0 < n < batch_size]
+    if not small:
+        return
+    sizes = getattr(dataset, "bucket_sizes", None)
+    if len(counts) == 1 or sizes is None:
+        what = f"{len(dataset)} images, fewer than a batch of {batch_size}"
+    else:
+        named = ", ".join(f"{sizes[g][0]}x{sizes[g][1]}: {n}" for g, n in small[:5])
+        what = (
+            f"{len(small)} of {int((counts > 0).sum())} buckets hold fewer images than a batch "
+            f"of {batch_size} ({named}{', ...' if len(small) > 5 else ''})"
+        )
+    logger.warning(
+        "data.%s: %s; their batches are filled by repeating those images (scripts/"
+        "inspect_data.py's Buckets section counts the repeats)",
+        split,
+        what,
+    )
 
 
 def _summarize_epoch(dataset, epoch: int) -> None:
@@ -329,6 +358,8 @@ class DataModule(L.LightningDataModule):
             loader = EpochLoader(dataset, batch_size=None, epochs=ordering, **loader_args)
         else:
             groups = getattr(dataset, "batch_groups", None)
+            if train:
+                _warn_small_groups(split, dataset, groups, settings["batch_size"])
             ordering = BucketBatchSampler(
                 np.zeros(len(dataset), dtype=np.int64) if groups is None else groups,
                 settings["batch_size"],

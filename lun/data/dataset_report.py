@@ -64,9 +64,6 @@ def _counts(dataset) -> dict | None:
 # ----------------------------------------------------------------------------------- captions
 
 
-
-
-
 def text_encoders(model_config) -> list[dict]:
     """{name, tokenizer, max_length, unescape} of every CLIP / OpenCLIP text encoder in the model
     config (SDXL has two), with the tokenizer that encoder itself would build - nothing built."""

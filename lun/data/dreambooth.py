@@ -41,7 +41,25 @@ logger = logging.getLogger("lun.data")
 
 
 def _list_images(root: str) -> list[str]:
-    return [os.path.join(root, rel) for rel, size, _ in walk(root) if is_image(rel) and size > 0]
+    """The images under `root`; zero-byte files and broken links are named in the log, left out."""
+    unusable, images, captions = [], [], 0
+    for rel, size, _ in walk(root, unusable):
+        captions += rel.lower().endswith(".txt")
+        if is_image(rel) and size == 0:
+            unusable.append((rel, "zero bytes", "an empty file"))
+        elif is_image(rel):
+            images.append(os.path.join(root, rel))
+    for rel, reason, detail in unusable:
+        if is_image(rel):
+            logger.warning("skipped %s: %s (%s)", os.path.join(root, rel), reason, detail)
+    if captions:  # per-image captions, which this dataset does not read: say so
+        logger.warning(
+            "%s: its %d .txt files are not read - DreamBooth captions every image with its "
+            "prompt (per-image captions train with lun.data.local.Local)",
+            root,
+            captions,
+        )
+    return images
 
 
 def check_instance_settings(data_root, instance_prompt) -> None:

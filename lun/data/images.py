@@ -122,6 +122,9 @@ def decode_image(
             scale = max(cover[0] / upright[0], cover[1] / upright[1])
             image.draft(None, (math.ceil(width * scale), math.ceil(height * scale)))
         image.load()
+        if orientation == 1 and image.format == "PNG":
+            # An eXIf chunk after the pixel data (allowed before PNG 3) is read only by `load`.
+            orientation = _orientation(image)
         if orientation in _UPRIGHT:
             image = image.transpose(_UPRIGHT[orientation])
         return to_rgb(image)

@@ -22,7 +22,9 @@ logger = logging.getLogger("lun.data")
 
 # 2: metadata paths outside data_root are refused; the index lists files kept with a note.
 # 3: the index counts the metadata files that consider_every_nth passed over.
-CACHE_VERSION = 3
+# 4: files under metadata/ that are not .json are counted (skipped), not passed over; a caption
+#    file's extension matches in any case (a.TXT).
+CACHE_VERSION = 4
 # Header reads are mostly I/O waits (network file systems especially); threads overlap them.
 HEADER_THREADS = 16
 
@@ -48,13 +50,17 @@ class StringArray:
         return self._buffer[start:end].tobytes().decode("utf-8")
 
 
-def walk(root: str) -> list[tuple[str, int, int]]:
+def walk(root: str, unusable: list | None = None) -> list[tuple[str, int, int]]:
     """(path relative to root with "/" separators, size, mtime_ns) of each file, sorted.
 
     Hidden files and folders (".DS_Store", macOS "._name.jpg" resource forks, caches) are left
-    out; symlinked folders are followed once (a link loop is not walked twice).
+    out; symlinked folders are followed once (a link loop is not walked twice). Files that look
+    present but cannot be used are appended to `unusable` as (path, reason, detail), for the
+    caller to count (without it, logged): a symlink whose target is gone, and a name that is not
+    UTF-8 (a zip from an old Windows tool) - the index, its cache and the logs are UTF-8.
     """
     listing, stack, seen = [], [(root, "")], set()
+    found_unusable = [] if unusable is None else unusable
     while stack:
         folder, prefix = stack.pop()  # prefix: the folder relative to root, "" or ending in "/"
         real = os.path.realpath(folder)
@@ -69,16 +75,38 @@ def walk(root: str) -> list[tuple[str, int, int]]:
         for entry in entries:
             if entry.name.startswith("."):
                 continue
+            rel = prefix + entry.name
             try:
-                if entry.is_dir():
-                    stack.append((entry.path, f"{prefix}{entry.name}/"))
+                if entry.is_dir():  # (its files are named one by one when it is not UTF-8)
+                    stack.append((entry.path, f"{rel}/"))
+                elif not rel.isascii() and not _is_utf8(rel):
+                    shown = os.fsencode(rel).decode("utf-8", "backslashreplace")
+                    found_unusable.append((shown, "file name not UTF-8", RENAME_HINT))
                 elif entry.is_file():
                     stat = entry.stat()
-                    listing.append((prefix + entry.name, stat.st_size, stat.st_mtime_ns))
-            except OSError as err:  # a dangling symlink or a file removed while walking
+                    listing.append((rel, stat.st_size, stat.st_mtime_ns))
+                elif entry.is_symlink():
+                    found_unusable.append((rel, "broken link", f"-> {os.readlink(entry.path)}"))
+            except OSError as err:  # a file removed while walking
                 logger.debug("cannot stat %s: %s", entry.path, err)
+    if unusable is None:
+        for rel, reason, detail in found_unusable:
+            logger.warning("skipped %s: %s (%s)", os.path.join(root, rel), reason, detail)
     listing.sort()
     return listing
+
+
+# How to fix a name that is not UTF-8 (convmv ships with most Linux distributions).
+RENAME_HINT = "rename it to UTF-8, e.g. convmv -r -f cp1252 -t utf-8 --notest DIR"
+
+
+def _is_utf8(name: str) -> bool:
+    """False for a name os.scandir decoded with surrogate escapes (bytes that are not UTF-8)."""
+    try:
+        name.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def describe_listing(listing) -> str:
@@ -150,6 +178,8 @@ def flat_records(listing) -> tuple[dict, list]:
     Returns columns {"image", "caption" (None when missing)} and [(path, reason, detail)] skipped.
     """
     sizes = {rel: size for rel, size, _ in listing}
+    # Caption files by their name with a lower-case ".txt": "a.TXT" (Windows) is a's caption too.
+    texts = {rel[:-4] + ".txt": rel for rel in sizes if rel[-4:].lower() == ".txt"}
     prefix = "images/" if any(rel.startswith("images/") for rel in sizes) else ""
     records, skipped = {"image": [], "caption": []}, []
     for rel, size in sizes.items():
@@ -163,8 +193,36 @@ def flat_records(listing) -> tuple[dict, list]:
         stem = os.path.splitext(rel)[0]
         candidates = (f"captions/{stem[len(prefix) :]}.txt", f"{stem}.txt")
         records["image"].append(rel)
-        records["caption"].append(next((c for c in candidates if c in sizes), None))
+        records["caption"].append(next((texts[c] for c in candidates if c in texts), None))
     return records, skipped
+
+
+# Caption tables of other layouts (Hugging Face imagefolder's metadata.jsonl / .csv, a LAION
+# export's .parquet) that flat-file mode does not read: named when no image has a .txt caption.
+CAPTION_TABLES = (".jsonl", ".csv", ".tsv", ".parquet")
+
+
+def captions_elsewhere(listing) -> tuple[str, str] | None:
+    """Where a folder whose images have no .txt caption keeps its captions, if we can tell, and
+    what to do: metadata/**/*.json (metadata mode's layout), `.caption` files (kohya-ss's
+    fine-tuning default), or a caption table at the top (or in images/)."""
+    for rel, _, _ in listing:
+        if rel.startswith("metadata/") and rel.lower().endswith(".json"):
+            return rel, "set metadata_params (metadata_params: {} for the defaults) to read them"
+    for rel, _, _ in listing:
+        if rel.lower().endswith(".caption"):
+            return rel, (
+                "captions are read from <name>.txt: rename the .caption files "
+                '(for f in $(find DIR -name \'*.caption\'); do mv "$f" "${f%.caption}.txt"; done)'
+            )
+    for rel, _, _ in listing:
+        top = rel[len("images/") :] if rel.startswith("images/") else rel
+        if "/" not in top and top.lower().endswith(CAPTION_TABLES):
+            return rel, (
+                "flat files read images/<name>.txt (or <name>.txt beside the image): "
+                "write each caption there"
+            )
+    return None
 
 
 def read_aspects(path_of, records: dict, max_pixels: int) -> list:

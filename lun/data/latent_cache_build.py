@@ -328,4 +328,14 @@ def finish(plan: Plan) -> bool:
         len(used),
         f", {removed} unused shards removed" if removed else "",
     )
+    if failed:  # named, not only counted: the user can repair or remove them and rerun
+        named = ", ".join(f"{path} ({why})" for path, why in list(failed.items())[:5])
+        logger.warning(
+            "cache %s: %d images could not be read (training serves the next cached item of "
+            "their bucket instead): %s%s",
+            folder,
+            len(failed),
+            named,
+            ", ..." if len(failed) > 5 else "",
+        )
     return True

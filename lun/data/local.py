@@ -41,9 +41,11 @@ from lun.data.images import (
 from lun.data.index import (
     StringArray,
     cache_key,
+    captions_elsewhere,
     default_cache_dir,
     describe_listing,
     flat_records,
+    is_image,
     keep_rows,
     load_cached,
     read_aspects,
@@ -189,7 +191,7 @@ class Local(torch.utils.data.Dataset):
         cache_dir = default_cache_dir() if cache_dir is None else cache_dir
         listing, records = self._index(need_aspect, cache_dir)  # sets self.counts
         self.scores = None  # metadata mode: (raw, after tag bonuses) of every indexed item
-        captions = self._captions_of(records)
+        captions = self._captions_of(records, listing)
         rows = range(len(records["image"]))
         if limit_images is not None and limit_images < len(rows):
             rows = sorted(random.Random(0).sample(rows, int(limit_images)))
@@ -218,7 +220,8 @@ class Local(torch.utils.data.Dataset):
     def _index(self, need_aspect: bool, cache_dir) -> tuple[list, dict]:
         """Walk the folder and build its records, or load them from the cache."""
         start = time.perf_counter()
-        listing = list_files(self.data_root) if self._cache else walk(self.data_root)
+        unusable = []  # broken links, names that are not UTF-8: counted below, never cached
+        listing = list_files(self.data_root) if self._cache else walk(self.data_root, unusable)
         if self._cache is not None:
             self._listing = {rel: {"size": size, "version": stamp} for rel, size, stamp in listing}
         every_nth = self.metadata.consider_every_nth if self.metadata else None
@@ -258,6 +261,12 @@ class Local(torch.utils.data.Dataset):
             rules += [f"exclude_every_nth={exclude_nth}"] * bool(exclude_nth)
             dropped[f"not every nth ({', '.join(rules)})"] = index["not_every_nth"]
         dropped.update(reason for _, reason, _ in index["skipped"])
+        unusable = [entry for entry in unusable if is_image(entry[0])]
+        if self.metadata is not None:  # items are metadata files: a file they name is "not found"
+            for rel, reason, detail in unusable:
+                logger.warning("%s: %s (%s)", os.path.join(self.data_root, rel), reason, detail)
+            unusable = []
+        dropped.update(reason for _, reason, _ in unusable)
         # What each rule decided, in the order the rules apply: {found, dropped {reason: n},
         # indexed, noted {problem of a kept item: n}, usable}; lun.data.dataset_report prints it.
         self.counts = {
@@ -266,7 +275,7 @@ class Local(torch.utils.data.Dataset):
             "indexed": len(index["records"]["image"]),
             "noted": Counter(reason for _, reason, _ in index["noted"]),
         }
-        for rel, reason, detail in index["skipped"]:
+        for rel, reason, detail in index["skipped"] + unusable:
             self.bad_input.skip(os.path.join(self.data_root, rel), reason, detail)
         for rel, reason, detail in index["noted"]:
             self.bad_input.warn(os.path.join(self.data_root, rel), reason, detail)
@@ -279,7 +288,7 @@ class Local(torch.utils.data.Dataset):
         )
         return listing, index["records"]
 
-    def _captions_of(self, records: dict) -> list[str | None]:
+    def _captions_of(self, records: dict, listing) -> list[str | None]:
         """Apply the caption rules, dropping rows from `records` in place; one entry per row.
 
         Flat files: the caption file's path (None: none found - kept with a warning, or left out).
@@ -309,6 +318,12 @@ class Local(torch.utils.data.Dataset):
             and uncaptioned == len(records["caption"])
             and self.missing_caption != "skip"
         ):
+            elsewhere = captions_elsewhere(listing)
+            if elsewhere is not None:  # the captions are there, in a layout not read here
+                raise ValueError(
+                    f"data_root={self.data_root!r}: none of its {uncaptioned} images has a "
+                    f"caption file, but it holds {elsewhere[0]}; {elsewhere[1]}"
+                )
             # A folder of images alone (a class or a style): one line, not one per image.
             logger.warning(
                 "%s: no image has a caption: all %d train with an empty caption (the caption "

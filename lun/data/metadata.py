@@ -225,12 +225,19 @@ def metadata_records(
     `consider_every_nth` / `exclude_every_nth` passed over (counted, not listed: a choice, not bad
     input)."""
     sizes = {rel: size for rel, size, _ in listing}
-    found = [rel for rel in sizes if rel.startswith("metadata/") and rel.lower().endswith(".json")]
+    under = [rel for rel in sizes if rel.startswith("metadata/")]
+    found = [rel for rel in under if rel.lower().endswith(".json")]
+    # A metadata.jsonl or .csv beside the .json files is not read: say so, not pass over it.
+    skipped = [
+        (rel, "not a .json file", "one JSON object per file")
+        for rel in under
+        if not rel.lower().endswith(".json")
+    ]
+    noted = []
     files = found[:: every_nth or 1]
     if exclude_every_nth:  # the complement of files[::exclude_every_nth]
         files = [rel for i, rel in enumerate(files) if i % exclude_every_nth]
     records = {"image": [], "tags": [], "score": [], "aspect": []}
-    skipped, noted = [], []
     for rel in files:
         try:
             with open(path_of(rel), "rb") as file:

@@ -59,6 +59,8 @@ _COMPARE = {
 GOPEN_SCHEMES = ("http", "https", "sftp", "ftps", "scp", "ais", "htgs", "hf")
 # Consecutive undecodable images after which the stream is declared broken rather than skipped.
 MAX_FRESH_FAILURES = 1000
+# Samples of the first shard read before training to find at least one caption (check_readable).
+CAPTION_PROBE = 32
 
 
 def parse_filters(filters) -> list[tuple[str, str, float | str]]:
@@ -375,6 +377,8 @@ class WebDataset(ShardStream):
         carry the id as "label" (for `ldm.conditioning.ClassLabels`, DiT).
     shuffle_buffer: samples held for shuffling within each worker's stream.
     max_image_pixels: images with more pixels are dropped as decompression bombs.
+    caption_key: the extension of each sample's caption file (`txt`, img2dataset's; some sets
+        write `caption` or `text`); null for a set without captions (an unconditional model).
     """
 
     def __init__(
@@ -389,7 +393,13 @@ class WebDataset(ShardStream):
         idx_to_prompt=None,
         shuffle_buffer: int = 1000,
         max_image_pixels: int = DEFAULT_MAX_PIXELS,
+        caption_key: str | None = "txt",
     ):
+        if caption_key is not None and (not isinstance(caption_key, str) or not caption_key):
+            raise ValueError(
+                f"caption_key={caption_key!r}: expected the caption file's extension, e.g. txt"
+            )
+        self.caption_key = caption_key.lstrip(".") if caption_key else None
         self.urls = expand_urls(urls)
         self.infos = object_infos([u for u in self.urls if on_fsspec(u)])  # size, version
         missing = [u for u in self.urls if not self._exists(u)]
@@ -440,7 +450,8 @@ class WebDataset(ShardStream):
                         meta = {}
                 # Byte-order marks and legacy encodings as for flat files; what was not clean
                 # UTF-8 is counted per epoch (`_batch`).
-                caption, problem = decode_text(sample["txt"]) if "txt" in sample else (None, None)
+                text = sample.get(self.caption_key) if self.caption_key else None
+                caption, problem = decode_text(text) if text is not None else (None, None)
                 caption = caption.strip() if caption is not None else None
                 cls = decode_text(sample["cls"])[0].strip() if "cls" in sample else meta.get("cls")
                 key = f"{url}:{sample['__key__']}"
@@ -451,9 +462,30 @@ class WebDataset(ShardStream):
                     "caption_problem": problem,
                     "cls": cls,
                     "meta": meta if isinstance(meta, dict) else {},
+                    "files": sorted(k for k in sample if not k.startswith("__")),
                 }
         finally:
             stream.close()
+
+    def check_readable(self) -> None:
+        """Read the first samples of the first shard (the launcher calls this before the run
+        folder exists): ValueError naming `caption_key` when none of them has that file - a set
+        whose captions sit under another extension would otherwise train on empty captions."""
+        if self.caption_key is None or self.prompts is not None:
+            return
+        url, seen = self.urls[0], []
+        for raw in itertools.islice(self._read_logged(url, Counter()), CAPTION_PROBE):
+            if raw["caption"] is not None:
+                return
+            seen.append(raw["files"])
+        if not seen:
+            return  # an unreadable first shard is the stream's own warning, and it goes on
+        files = sorted({f".{ext}" for files in seen for ext in files})
+        raise ValueError(
+            f"caption_key={self.caption_key!r}: none of the first {len(seen)} samples of {url} "
+            f"has a .{self.caption_key} file (they have {', '.join(files)}); set caption_key to "
+            "the extension of the captions, or to null for a set without captions"
+        )
 
 
 class Parquet(ShardStream):
@@ -498,6 +530,9 @@ class Parquet(ShardStream):
             except (OSError, ValueError) as err:  # pyarrow raises ArrowInvalid (a ValueError)
                 logger.warning("parquet file %s unreadable, left out: %s", path, err)
                 continue
+            # Every file's columns, from the footer just read: a wrong column name would
+            # otherwise train every row with an empty caption, or fail later in a worker.
+            check_columns(metadata.schema.to_arrow_schema(), path, self.columns, idx_to_prompt)
             self.row_groups += [(path, i) for i in range(metadata.num_row_groups)]
             rows += metadata.num_rows
         if not self.row_groups:
@@ -533,13 +568,62 @@ class Parquet(ShardStream):
             image = row.get(self.columns["image"])
             if isinstance(image, dict):
                 image = image.get("bytes")
+            caption, problem = row.get(self.columns["caption"]), None
+            if isinstance(caption, bytes):  # a binary caption column: as a .txt file's bytes
+                caption, problem = decode_text(caption)
+            if caption is not None:  # a BOM kept inside a string column, trailing newlines
+                caption = caption.lstrip("\ufeff").strip()
             yield {
                 "key": f"{path}[{group}:{index}]",
                 "image": image,
-                "caption": row.get(self.columns["caption"]),
+                "caption": caption,
+                "caption_problem": problem,
                 "cls": row.get(self.columns["cls"]),
                 "meta": row,
             }
+
+
+def check_columns(schema, path: str, columns: dict, idx_to_prompt) -> None:
+    """ValueError naming the Parquet parameter whose column `path` lacks or holds the wrong type
+    for: the image column (encoded bytes, or a struct with `bytes` - the Hugging Face Image
+    feature), the caption column (text or bytes) unless class prompts make the captions, and
+    then the class column."""
+    import pyarrow as pa
+
+    names = ", ".join(schema.names)
+    wanted = [("image_column", columns["image"])]
+    wanted.append(
+        ("class_column", columns["cls"])
+        if idx_to_prompt
+        else ("caption_column", columns["caption"])
+    )
+    for key, column in wanted:
+        if column not in schema.names:
+            hint = " (or give idx_to_prompt for class prompts)" if key == "caption_column" else ""
+            raise ValueError(
+                f"{key}={column!r}: {path} has no such column (its columns: {names}); set "
+                f"{key} to the column holding the {key.split('_')[0]}s{hint}"
+            )
+    kind = schema.field(columns["image"]).type
+    if not (
+        pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or (pa.types.is_struct(kind) and kind.get_field_index("bytes") >= 0)
+    ):
+        raise ValueError(
+            f"image_column={columns['image']!r}: {path} holds {kind} there, expected encoded "
+            "image bytes (binary, or a struct with a 'bytes' field)"
+        )
+    if not idx_to_prompt:
+        kind = schema.field(columns["caption"]).type
+        if not any(
+            test(kind)
+            for test in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary)
+        ):
+            raise ValueError(
+                f"caption_column={columns['caption']!r}: {path} holds {kind} there, expected "
+                "text; set caption_column to the column holding the captions"
+            )
 
 
 def _fsspec_open(url: str):
