@@ -59,7 +59,7 @@ def test_exclude_every_nth_holds_out_what_consider_every_nth_takes(folder, caplo
 def test_a_validation_set_inside_the_training_set_is_named(folder, caplog):
     """translunar-diffusion's configs validate on every 8th file and train on all: still runs."""
     with caplog.at_level(logging.WARNING, logger="lun.data"):
-        split(folder, {})
+        split(folder, {"metadata_params": {}})
     assert "data.params.validation: 3 of its 3 images are also training images" in caplog.text
 
 
