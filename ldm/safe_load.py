@@ -24,6 +24,12 @@ class UnsafeCheckpointError(pickle.UnpicklingError):
     """A pickled checkpoint that needs a class outside the allow-list."""
 
 
+class UnreadableCheckpointError(pickle.UnpicklingError, ValueError):
+    """A damaged or foreign weights file (cut short, random bytes, empty). A ValueError, as every
+    script's one-line handler takes it; an UnpicklingError too, so that a launcher that reports
+    refused pickles in one line (main.py's `--resume` check) reports a broken one the same way."""
+
+
 class _InertObject:
     """Stands in for harmless bookkeeping objects that original checkpoints pickled (e.g. the
     Lightning ModelCheckpoint callback): unpickled as plain attribute bags, never executed."""
@@ -88,10 +94,12 @@ def _refusal(path, err: Exception, what: str = "") -> UnsafeCheckpointError:
     )
 
 
-def _unreadable(path, err: Exception | str) -> ValueError:
+def _unreadable(path, err: Exception | str) -> UnreadableCheckpointError:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     first = lines[0] if lines else "it ends too early"  # EOFError()
-    return ValueError(f"{path}: not a readable checkpoint ({first}); is the file complete?")
+    return UnreadableCheckpointError(
+        f"{path}: not a readable checkpoint ({first}); is the file complete?"
+    )
 
 
 def pickled_globals(source) -> list[str] | None:
@@ -146,6 +154,8 @@ def _weights_only_load(source, path, extra_globals: Iterable = (), what: str = "
     try:
         with torch.serialization.safe_globals([*_allowed_globals(), *extra_globals]):
             return _torch_load(source, path, weights_only=True, **kwargs)
+    except UnreadableCheckpointError:
+        raise
     except pickle.UnpicklingError as err:
         if "Unsupported operand" in str(err):
             raise _unsupported_opcode(path, err, what) from None
@@ -179,16 +189,22 @@ def load_file_state(
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
     if path.stat().st_size == 0:  # safetensors says "header too small", torch "EOFError()"
-        raise ValueError(f"{path}: an empty file (0 bytes); download or copy it again")
+        raise UnreadableCheckpointError(
+            f"{path}: an empty file (0 bytes); download or copy it again"
+        )
     if path.suffix == ".safetensors":
         try:
             return load_file(str(path))
         except SafetensorError as err:  # "incomplete metadata, file not fully covered"
-            raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
+            raise UnreadableCheckpointError(
+                f"{path}: not a readable .safetensors file ({err})"
+            ) from None
     mmap = mmap and zipfile.is_zipfile(path)  # the legacy format cannot be mapped
     if unsafe:
         try:
             return _torch_load(path, path, weights_only=False, mmap=mmap)
+        except UnreadableCheckpointError:
+            raise
         except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
             raise _unreadable(path, err) from None  # "invalid load key, 'D'."
     return _weights_only_load(path, path, extra_globals, mmap=mmap)

@@ -9,7 +9,9 @@ import json
 import os
 import pickle
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -87,6 +89,42 @@ def writing(path):
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from err
+
+
+@contextlib.contextmanager
+def replaced_folder(folder: Path):
+    """A folder written whole or not at all: the block writes into a new hidden sibling, which
+    then takes `folder`'s place; the folder that was there (an earlier export) is removed only
+    after that. A failed write (a full disk, a refused model) removes the new one and leaves
+    `folder` as it was, instead of half of its files overwritten."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        yield new
+        old = None
+        if folder.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+            folder.rename(old / folder.name)
+        new.rename(folder)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`path` holds the old text or the whole new one, never a part (written aside, renamed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(path):
+            tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def pick_device(name: str | None) -> torch.device:

@@ -16,7 +16,7 @@
 import argparse
 from pathlib import Path
 
-from lun.cli import HelpFormatter
+from lun.cli import HelpFormatter, check_output_file
 
 # The heavy modules (torch, the models) are imported in the functions: --help answers at once.
 
@@ -116,6 +116,7 @@ def main(argv=None) -> None:
     from lun.generation import one_line_errors
 
     with one_line_errors():
+        check_output_file(args.out, "out", (".safetensors",))  # before the model loads
         export(args) if args.command == "export" else merge(args)
 
 
