@@ -175,6 +175,29 @@ def check_pickle(path: str | Path, extra_globals: Iterable = ()) -> None:
         _weights_only_load(path, path, extra_globals, mmap=zipfile.is_zipfile(path))
 
 
+def check_readable(path: str | Path) -> None:
+    """A weights file that will be loaded later, checked now at little cost: a `.safetensors`
+    header against the file's size (memory-mapped by safetensors, no tensor read), a pickle
+    weights-only (`check_pickle`). Damage and refusals raise as `load_file_state` would."""
+    path = Path(path)
+    if path.is_file() and path.stat().st_size == 0:
+        raise UnreadableCheckpointError(
+            f"{path}: an empty file (0 bytes); download or copy it again"
+        )
+    if path.suffix != ".safetensors":
+        check_pickle(path)
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise UnreadableCheckpointError(
+            f"{path}: not a readable .safetensors file ({err})"
+        ) from None
+
+
 def load_file_state(
     path: str | Path, unsafe: bool = False, extra_globals: Iterable = (), mmap: bool = False
 ) -> dict:

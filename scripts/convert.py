@@ -471,7 +471,13 @@ def main(argv=None) -> None:
     from ldm.layout.family import model_family as family_of
     from ldm.safe_load import state_dict_of
     from lun.config import merge_configs, to_container
-    from lun.generation import find_config, one_line_errors, replaced_folder, writing
+    from lun.generation import (
+        check_text_file,
+        find_config,
+        one_line_errors,
+        replaced_folder,
+        writing,
+    )
     from lun.strategies import load_training_checkpoint
 
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
@@ -479,6 +485,8 @@ def main(argv=None) -> None:
             check_output_file(args.out, "out", OUTPUT_SUFFIXES)
         if args.to_diffusers:
             check_output_folder(args.to_diffusers, "--to-diffusers")
+        if args.config:
+            check_text_file(Path(args.config), "--config")
         if diffusers_family(args.ckpt) == SD3:  # needs no config: its names say it all
             from convert_sd3 import folder_state
 

@@ -113,10 +113,12 @@ def main(argv=None) -> None:
         help="LoRA files (kohya or diffusers format) to merge too",
     )
     args = parser.parse_args(argv)
-    from lun.generation import one_line_errors
+    from lun.generation import check_text_file, one_line_errors
 
     with one_line_errors():
         check_output_file(args.out, "out", (".safetensors",))  # before the model loads
+        if args.config:
+            check_text_file(Path(args.config), "--config")
         export(args) if args.command == "export" else merge(args)
 
 
