@@ -111,11 +111,21 @@ def apply_loras(model: torch.nn.Module, files: list[tuple[Path, float]]) -> list
         lora.merge_adapters(model)
     for path, weight in files:
         metadata = safetensors_metadata(path)
-        state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
-        layers = lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
+        layers = merge_lora_file(model, path, weight, metadata)
         print(f"LoRA {path.name} at weight {weight:g}: {layers} layers")
         uses.append(LoraUse(path.stem, weight, a1111_short_hash(path, metadata)))
     return uses
+
+
+def merge_lora_file(model: torch.nn.Module, path: Path, weight: float, metadata: dict) -> int:
+    """`ldm.lora.merge_file` of one `--lora` file; its refusal (a LoRA of another family) names
+    the file. Returns the number of layers merged."""
+    state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
+    try:
+        return lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
+    except (ValueError, KeyError) as err:
+        text = str(err).strip("'")
+        raise type(err)(text if str(path) in text else f"--lora {path}: {text}") from None
 
 
 def tagged_prompt(prompt, uses: list[LoraUse]):
