@@ -22,6 +22,7 @@ from PIL.PngImagePlugin import PngInfo
 from ldm import checkpoint
 from ldm.layout import family
 from ldm.layout.diffusers import is_diffusers_folder
+from ldm.safe_load import check_readable
 from ldm.util import instantiate_from_config
 from lun.cli import check_output_folder
 from lun.config import check_complete, merge_configs, to_container
@@ -194,6 +195,8 @@ def check_vae_path(vae: str | None) -> None:
         )
     if not path.is_file():
         raise FileNotFoundError(f"--vae {path}: no such file")
+    with naming("--vae", path):  # damaged or refused: said before the model is built
+        check_readable(path)
 
 
 @contextlib.contextmanager
