@@ -72,11 +72,12 @@ def check_inputs(args) -> list:
     """Every file named, before anything slow; returns the prompts or class ids."""
     from ldm.layout import family
     from ldm.safe_load import check_readable
+    from lun.callbacks.evaluation import read_prompt_file
     from lun.cli import check_output_file, check_output_folder
     from lun.config import merge_configs, to_container
     from lun.eval.clip_score import check_clip_folder
     from lun.eval.features import check_features_file
-    from lun.generation import check_model_file, check_text_file, naming, read_prompt_lines
+    from lun.generation import check_model_file, check_text_file, naming
 
     if args.out:  # written after the whole evaluation: a wrong path is said now
         check_output_file(args.out, "--out")
@@ -84,7 +85,9 @@ def check_inputs(args) -> list:
         check_output_folder(args.cache_dir, "--cache-dir")
     for config in args.base:
         check_text_file(Path(config), "--base")
-    inputs = read_prompt_lines(args.prompts, "--prompts") if args.prompts else list(args.classes)
+    if args.prompts and Path(args.prompts).exists():
+        check_text_file(Path(args.prompts), "--prompts")  # a folder, a binary file
+    inputs = read_prompt_file(args.prompts) if args.prompts else list(args.classes)
     check_features_file(args.features, "--features")
     with naming("--features", args.features):
         check_readable(args.features)  # read after the first model loads

@@ -153,6 +153,8 @@ def check_inputs(args) -> None:
     with one_line_errors():
         check_output_folder(args.out, "--out")
         if args.features:
+            if Path(args.features).is_dir():
+                raise ValueError(f"--features {args.features} is a folder; give a SmallCNN file")
             if not Path(args.features).is_file():
                 raise FileNotFoundError(
                     f"--features {args.features}: no such file (leave --features out to train one)"
