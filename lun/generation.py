@@ -94,25 +94,30 @@ def writing(path):
 
 @contextlib.contextmanager
 def replaced_folder(folder: Path):
-    """A folder written whole or not at all: the block writes into a new hidden sibling, which
-    then takes `folder`'s place; the folder that was there (an earlier export) is removed only
-    after that. A failed write (a full disk, a refused model) removes the new one and leaves
-    `folder` as it was, instead of half of its files overwritten."""
+    """A folder export written aside, then moved in: the block writes into a new hidden sibling;
+    when it ends well each entry written replaces its namesake in `folder` (an earlier export's
+    `unet/`, `config.json`), and whatever else the user keeps there stays. A failed write (a full
+    disk, a refused model) removes the new folder and leaves `folder` as it was, instead of half
+    of an earlier export's files overwritten."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
     try:
         yield new
-        old = None
-        if folder.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
-            folder.rename(old / folder.name)
-        new.rename(folder)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
+    if not folder.exists():
+        new.rename(folder)
+        return
+    replaced = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    for entry in sorted(new.iterdir()):
+        target = folder / entry.name
+        if os.path.lexists(target):  # a folder cannot be renamed over: it goes aside first
+            target.rename(replaced / entry.name)
+        entry.rename(target)
+    shutil.rmtree(replaced, ignore_errors=True)
+    new.rmdir()
 
 
 def write_text_atomically(path: Path, text: str) -> None:

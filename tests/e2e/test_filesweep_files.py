@@ -420,7 +420,8 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_whole(
     files, tmp_path, capsys, monkeypatch
 ):
     """--to-diffusers into an earlier export: a write that fails half-way (a full disk) leaves
-    the earlier folder as it was, not half of its files replaced; a good one replaces it."""
+    the earlier folder as it was, not half of its files replaced; a good one replaces the
+    export's files and keeps the user's own."""
     folder = tmp_path / "vae"
     folder.mkdir()
     (folder / "config.json").write_text("earlier")
@@ -444,7 +445,10 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_whole(
     assert sorted(p.name for p in folder.iterdir()) == [
         "config.json",
         "diffusion_pytorch_model.safetensors",
+        "notes.txt",
     ]
+    assert (folder / "config.json").read_text() != "earlier"
+    assert (folder / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]
 
 
