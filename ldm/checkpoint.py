@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+import uuid
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -256,7 +257,7 @@ def save_safetensors(
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file does
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as file:
             file.write(struct.pack("<Q", len(encoded)) + encoded)
@@ -269,6 +270,14 @@ def save_safetensors(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def temporary_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: hidden, and unique to this
+    writer (`x.safetensors.tmp` would replace a user's own file of that name, and two writers
+    of one path would share it); `lun.atomic_io`'s pattern, so a run folder's stale ones are
+    recognised and removed."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def file_hash(path: str | Path) -> str:

@@ -90,7 +90,7 @@ def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: 
         return
     state = cast_weights(state, dtype)
     kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = checkpoint.temporary_path(path)
     with writing(path):
         _torch_save(
             {**kept, "state_dict": state, "global_step": contents.get("global_step", 0)}, tmp

@@ -452,6 +452,37 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_whole(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["vae"]
 
 
+@pytest.mark.parametrize("suffix", [".safetensors", ".ckpt"])
+def test_a_failed_convert_keeps_the_earlier_output_and_the_users_tmp_file(
+    files, tmp_path, capsys, monkeypatch, suffix
+):
+    """The output is written aside and renamed: a full disk half-way leaves the earlier file
+    whole. The aside name is hidden and unique: it was `out.safetensors.tmp`, which replaced
+    (and on failure deleted) a user's own file of that name."""
+    out = tmp_path / f"out{suffix}"
+    out.write_bytes(b"earlier")
+    users = tmp_path / f"out{suffix}.tmp"
+    users.write_bytes(b"mine")
+    real_open = open
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        if "w" in mode:
+
+            def write(data):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            file.write = write
+        return file
+
+    target = checkpoint if suffix == ".safetensors" else convert
+    monkeypatch.setattr(target, "open", full_disk_open, raising=False)
+    status, lines = outcome(convert.main, [files["model"], out], capsys)
+    assert status == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
+    assert out.read_bytes() == b"earlier" and users.read_bytes() == b"mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, users.name])
+
+
 def test_a_text_written_atomically_keeps_the_old_one_when_the_write_fails(tmp_path):
     results = tmp_path / "eval.json"
     results.write_text("earlier results")
