@@ -72,6 +72,10 @@ def check_config_files(
                 f"model.params.{key}: {value} is a folder; expected a weights file "
                 f"(.safetensors / .ckpt){also}"
             )
+    first_stage = ((model_config.get("params") or {}).get("first_stage_config") or {}).get("params")
+    vae_path = (first_stage or {}).get("ckpt_path") if isinstance(first_stage, Mapping) else None
+    if vae_path and not diffusers.is_diffusers_folder(vae_path):
+        check_vae_file(vae_path, "model.params.first_stage_config.params.ckpt_path", unsafe)
     named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
     named[resume_flag] = resume
     named = {what: path for what, path in named.items() if path}
@@ -83,6 +87,19 @@ def check_config_files(
         if expected == family.VAE and found != family.LORA and what != resume_flag:
             continue  # a VAE run starts from a VAE or from any model's first_stage_model.*
         check_family(path, found, expected, what)
+
+
+VAE_EXPECTED = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"
+
+
+def check_vae_file(path, what: str = "", unsafe: bool = False) -> None:
+    """A first stage's weights file, read from its key names before anything is built (a
+    damaged file, a LoRA or a DiT file were found only when the model was built, after the data
+    was indexed): a VAE file, or any model checkpoint holding `first_stage_model.*`."""
+    keys = family.file_keys(path, unsafe)
+    found = family.model_family(keys)
+    if found != family.VAE and not original.has_first_stage(keys):
+        check_family(path, found, family.VAE, what, expected_text=VAE_EXPECTED)
 
 
 def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
@@ -174,8 +191,7 @@ def load_first_stage(
     state = state_dict_of(load_file_state(path))
     found = family.model_family(state)
     if found != family.VAE and not original.has_first_stage(state):
-        expected = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"
-        check_family(path, found, family.VAE, what, expected_text=expected)
+        check_family(path, found, family.VAE, what, expected_text=VAE_EXPECTED)
     state = original.first_stage_state(state)
     if diffusers_vae.is_diffusers_vae(state):
         state = diffusers_vae.from_diffusers(state)
