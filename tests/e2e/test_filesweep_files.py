@@ -306,9 +306,17 @@ TEXT_CASES = {
 
 
 @pytest.mark.parametrize("case", list(TEXT_CASES))
-def test_a_text_flag_given_a_binary_or_empty_file_is_one_line(files, tmp_path, capsys, case):
+def test_a_text_flag_given_a_binary_or_empty_file_is_one_line(
+    files, tmp_path, capsys, monkeypatch, case
+):
     """A checkpoint as --config was UTF-8's "codec can't decode byte 0xe2" (no file named); an
-    empty --from-file a torch.cat error after the output folder was made."""
+    empty --from-file a torch.cat error after the output folder was made. Both are said before
+    the model is built."""
+
+    def built(*args, **kwargs):
+        raise AssertionError("the model was built before the file was checked")
+
+    monkeypatch.setattr(generation, "instantiate_from_config", built)
     flag, name, words = TEXT_CASES[case]
     argv = ["--ckpt", files["model"], *sample(files, tmp_path), flag, files[name]]
     status, lines = outcome(txt2img.main, argv, capsys)
@@ -502,18 +510,27 @@ LAUNCHER_CASES = {
     "resume-empty": ("--resume", "empty.ckpt", "not a readable checkpoint"),
     "resume-pickle-with-code": ("--resume", "code-pickle.ckpt", "refused to unpickle"),
     "ckpt-path-random-bytes": ("ckpt_path", "random.ckpt", "not a readable checkpoint"),
+    # found only when the model was built, after the data was indexed
+    "vae-path-random-bytes": ("first_stage_config.params.ckpt_path", "random.ckpt", "readable"),
+    "vae-path-a-lora": ("first_stage_config.params.ckpt_path", "lora", "expected a VAE"),
 }
 
 
 @pytest.mark.parametrize("case", list(LAUNCHER_CASES))
-def test_the_launcher_names_a_damaged_checkpoint_in_one_line(files, tmp_path, shapes_dir, case):
+def test_the_launcher_names_a_damaged_checkpoint_in_one_line(
+    files, tmp_path, shapes_dir, monkeypatch, case
+):
     """--resume of a damaged file was a traceback (its check raised a ValueError main.py does
-    not catch)."""
+    not catch). Each is said before the data is indexed (docs/errors.md)."""
+    import lun.trainer
+
+    def indexed(*args, **kwargs):
+        raise AssertionError("the data was indexed before the file was checked")
+
+    monkeypatch.setattr(lun.trainer, "build_data", indexed)
     how, name, words = LAUNCHER_CASES[case]
     given = (
-        ["--resume", files[name]]
-        if how == "--resume"
-        else [f"model.params.ckpt_path={files[name]}"]
+        ["--resume", files[name]] if how == "--resume" else [f"model.params.{how}={files[name]}"]
     )
     args = ["--base", CONFIG, f"data.params.train.params.data_root={shapes_dir}", *given]
     result = run_main_here([*args, "-l", tmp_path / "logs", "-t"], tmp_path)
