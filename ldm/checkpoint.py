@@ -66,6 +66,7 @@ def check_config_files(
         # A folder is a model only as a diffusers pipeline (`load_weights` reads those).
         if value and Path(value).is_dir():
             if key == "ckpt_path" and diffusers.is_diffusers_folder(value):
+                check_diffusers_parts(Path(value))
                 continue
             also = " or a diffusers folder (model_index.json)" if key == "ckpt_path" else ""
             raise WrongFileError(
@@ -87,6 +88,17 @@ def check_config_files(
         if expected == family.VAE and found != family.LORA and what != resume_flag:
             continue  # a VAE run starts from a VAE or from any model's first_stage_model.*
         check_family(path, found, expected, what)
+
+
+def check_diffusers_parts(folder: Path) -> None:
+    """A diffusers folder's configs and the weights file of each part it needs, without reading
+    a tensor (a missing `vae/` or `unet/config.json` was found when the model was built)."""
+    try:
+        info = diffusers.describe(folder)
+        for part in ("unet", "vae", *diffusers.TEXT_FOLDERS[info.family]):
+            diffusers.weights_files(folder / part)
+    except diffusers.DiffusersFolderError as err:
+        raise WrongFileError(f"model.params.ckpt_path: {err}") from None
 
 
 VAE_EXPECTED = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"

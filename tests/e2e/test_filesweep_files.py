@@ -8,6 +8,7 @@ are built once per module. Wrong families: tests/e2e/test_wrong_files.py.
 """
 
 import errno
+import json
 import os
 import pickle
 
@@ -96,6 +97,13 @@ def files(tmp_path_factory):
     (out / "reference").mkdir()
     Image.new("RGB", (16, 16), "white").save(out / "reference" / "a.png")
     Image.new("RGB", (32, 32), "white").save(out / "init.png")
+    # An SD 1.x diffusers folder with no vae/ (its configs say the family; no weights needed).
+    folder = out / "pipeline-without-vae"
+    for part, config in [("unet", {}), ("text_encoder", {"hidden_act": "quick_gelu"})]:
+        (folder / part).mkdir(parents=True)
+        (folder / part / "config.json").write_text(json.dumps(config))
+    (folder / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
+    found["pipeline-without-vae"] = folder
     for name in ("a-folder", "a-file", "prompts.txt", "reference", "init.png"):
         found[name] = out / name
     return found
@@ -513,6 +521,11 @@ LAUNCHER_CASES = {
     # found only when the model was built, after the data was indexed
     "vae-path-random-bytes": ("first_stage_config.params.ckpt_path", "random.ckpt", "readable"),
     "vae-path-a-lora": ("first_stage_config.params.ckpt_path", "lora", "expected a VAE"),
+    "ckpt-path-diffusers-folder-without-vae": (
+        "ckpt_path",
+        "pipeline-without-vae",
+        "vae/config.json: missing",
+    ),
 }
 
 
