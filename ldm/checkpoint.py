@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import struct
+import uuid
 from collections.abc import Collection, Mapping
 from pathlib import Path
 
@@ -65,12 +66,17 @@ def check_config_files(
         # A folder is a model only as a diffusers pipeline (`load_weights` reads those).
         if value and Path(value).is_dir():
             if key == "ckpt_path" and diffusers.is_diffusers_folder(value):
+                check_diffusers_parts(Path(value))
                 continue
             also = " or a diffusers folder (model_index.json)" if key == "ckpt_path" else ""
             raise WrongFileError(
                 f"model.params.{key}: {value} is a folder; expected a weights file "
                 f"(.safetensors / .ckpt){also}"
             )
+    first_stage = ((model_config.get("params") or {}).get("first_stage_config") or {}).get("params")
+    vae_path = (first_stage or {}).get("ckpt_path") if isinstance(first_stage, Mapping) else None
+    if vae_path and not diffusers.is_diffusers_folder(vae_path):
+        check_vae_file(vae_path, "model.params.first_stage_config.params.ckpt_path", unsafe)
     named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
     named[resume_flag] = resume
     named = {what: path for what, path in named.items() if path}
@@ -82,6 +88,30 @@ def check_config_files(
         if expected == family.VAE and found != family.LORA and what != resume_flag:
             continue  # a VAE run starts from a VAE or from any model's first_stage_model.*
         check_family(path, found, expected, what)
+
+
+def check_diffusers_parts(folder: Path) -> None:
+    """A diffusers folder's configs and the weights file of each part it needs, without reading
+    a tensor (a missing `vae/` or `unet/config.json` was found when the model was built)."""
+    try:
+        info = diffusers.describe(folder)
+        for part in ("unet", "vae", *diffusers.TEXT_FOLDERS[info.family]):
+            diffusers.weights_files(folder / part)
+    except diffusers.DiffusersFolderError as err:
+        raise WrongFileError(f"model.params.ckpt_path: {err}") from None
+
+
+VAE_EXPECTED = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"
+
+
+def check_vae_file(path, what: str = "", unsafe: bool = False) -> None:
+    """A first stage's weights file, read from its key names before anything is built (a
+    damaged file, a LoRA or a DiT file were found only when the model was built, after the data
+    was indexed): a VAE file, or any model checkpoint holding `first_stage_model.*`."""
+    keys = family.file_keys(path, unsafe)
+    found = family.model_family(keys)
+    if found != family.VAE and not original.has_first_stage(keys):
+        check_family(path, found, family.VAE, what, expected_text=VAE_EXPECTED)
 
 
 def load_state_dict_pre_hook(module, state: dict, prefix: str, *args) -> None:
@@ -173,8 +203,7 @@ def load_first_stage(
     state = state_dict_of(load_file_state(path))
     found = family.model_family(state)
     if found != family.VAE and not original.has_first_stage(state):
-        expected = f"a VAE, or a model checkpoint holding one ({original.FIRST_STAGE_PREFIX}*)"
-        check_family(path, found, family.VAE, what, expected_text=expected)
+        check_family(path, found, family.VAE, what, expected_text=VAE_EXPECTED)
     state = original.first_stage_state(state)
     if diffusers_vae.is_diffusers_vae(state):
         state = diffusers_vae.from_diffusers(state)
@@ -256,7 +285,7 @@ def save_safetensors(
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as save_file does
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as file:
             file.write(struct.pack("<Q", len(encoded)) + encoded)
@@ -269,6 +298,14 @@ def save_safetensors(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def temporary_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: hidden, and unique to this
+    writer (`x.safetensors.tmp` would replace a user's own file of that name, and two writers
+    of one path would share it); `lun.atomic_io`'s pattern, so a run folder's stale ones are
+    recognised and removed."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
 def file_hash(path: str | Path) -> str:

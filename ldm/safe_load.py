@@ -5,9 +5,12 @@ The bottom of the weights stack: it knows files, not names. `ldm.layout` (which 
 keys hold) and `ldm.checkpoint` (loading them into a model) build on it; it imports neither.
 """
 
+import errno
 import io
 import pickle
+import pickletools
 import re
+import warnings
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,6 +22,12 @@ from safetensors.torch import load_file
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
     """A pickled checkpoint that needs a class outside the allow-list."""
+
+
+class UnreadableCheckpointError(pickle.UnpicklingError, ValueError):
+    """A damaged or foreign weights file (cut short, random bytes, empty). A ValueError, as every
+    script's one-line handler takes it; an UnpicklingError too, so that a launcher that reports
+    refused pickles in one line (main.py's `--resume` check) reports a broken one the same way."""
 
 
 class _InertObject:
@@ -85,17 +94,71 @@ def _refusal(path, err: Exception, what: str = "") -> UnsafeCheckpointError:
     )
 
 
-def _unreadable(path, err: Exception) -> ValueError:
-    first = next((line.strip() for line in str(err).splitlines() if line.strip()), repr(err))
-    return ValueError(f"{path}: not a readable checkpoint ({first}); is the file complete?")
+def _unreadable(path, err: Exception | str) -> UnreadableCheckpointError:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = lines[0] if lines else "it ends too early"  # EOFError()
+    return UnreadableCheckpointError(
+        f"{path}: not a readable checkpoint ({first}); is the file complete?"
+    )
+
+
+def pickled_globals(source) -> list[str] | None:
+    """The classes and functions a plain pickle names (GLOBAL, STACK_GLOBAL), read by
+    `pickletools` without running anything; None when the bytes are no whole pickle (random
+    bytes, a cut file). Only the first pickle of the stream is read."""
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(source):
+            if op.name == "GLOBAL":
+                names.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except (ValueError, EOFError, UnicodeDecodeError):
+        return None
+    return names
+
+
+def _unsupported_opcode(path, err: pickle.UnpicklingError, what: str) -> Exception:
+    """torch's "Unsupported operand N": either no pickle at all (random bytes named .ckpt) or a
+    pickle torch's weights-only reader cannot walk (Python's protocol 4 and 5 `pickle.dump`).
+    The latter is refused with the names it asks for, read by `pickled_globals`."""
+    names = None
+    if isinstance(path, Path) and path.is_file() and not zipfile.is_zipfile(path):
+        with open(path, "rb") as file:
+            names = pickled_globals(file)
+    if names is None:
+        return _unreadable(f"{path}{what}", "not a torch checkpoint: no pickle in it")
+    if names:
+        return _refusal(path, ValueError(f"asks for {names[0]}"), what)
+    return _unreadable(f"{path}{what}", "a pickle that torch's weights-only loader cannot read")
+
+
+def _torch_load(source, path, **kwargs):
+    """torch.load; a zip file cut short (torch: "[Errno 22] Invalid argument", naming nothing)
+    is a ValueError naming `path`."""
+    with warnings.catch_warnings():
+        # "Detected pickle protocol 4 in the checkpoint": its failure, if any, is ours to say.
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        try:
+            return torch.load(source, map_location="cpu", **kwargs)
+        except OSError as err:
+            if err.filename is not None or err.errno != errno.EINVAL:
+                raise
+            raise _unreadable(path, "a zip archive cut short") from None
 
 
 def _weights_only_load(source, path, extra_globals: Iterable = (), what: str = "", **kwargs):
     """torch.load(weights_only=True) with the allow-list; refusals and damage name `path`."""
     try:
         with torch.serialization.safe_globals([*_allowed_globals(), *extra_globals]):
-            return torch.load(source, map_location="cpu", weights_only=True, **kwargs)
+            return _torch_load(source, path, weights_only=True, **kwargs)
+    except UnreadableCheckpointError:
+        raise
     except pickle.UnpicklingError as err:
+        if "Unsupported operand" in str(err):
+            raise _unsupported_opcode(path, err, what) from None
         raise _refusal(path, err, what) from None
     except (RuntimeError, EOFError, KeyError, zipfile.BadZipFile) as err:
         # A truncated or foreign file: torch says "failed finding central directory",
@@ -112,6 +175,29 @@ def check_pickle(path: str | Path, extra_globals: Iterable = ()) -> None:
         _weights_only_load(path, path, extra_globals, mmap=zipfile.is_zipfile(path))
 
 
+def check_readable(path: str | Path) -> None:
+    """A weights file that will be loaded later, checked now at little cost: a `.safetensors`
+    header against the file's size (memory-mapped by safetensors, no tensor read), a pickle
+    weights-only (`check_pickle`). Damage and refusals raise as `load_file_state` would."""
+    path = Path(path)
+    if path.is_file() and path.stat().st_size == 0:
+        raise UnreadableCheckpointError(
+            f"{path}: an empty file (0 bytes); download or copy it again"
+        )
+    if path.suffix != ".safetensors":
+        check_pickle(path)
+        return
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except SafetensorError as err:
+        raise UnreadableCheckpointError(
+            f"{path}: not a readable .safetensors file ({err})"
+        ) from None
+
+
 def load_file_state(
     path: str | Path, unsafe: bool = False, extra_globals: Iterable = (), mmap: bool = False
 ) -> dict:
@@ -125,14 +211,25 @@ def load_file_state(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.stat().st_size == 0:  # safetensors says "header too small", torch "EOFError()"
+        raise UnreadableCheckpointError(
+            f"{path}: an empty file (0 bytes); download or copy it again"
+        )
     if path.suffix == ".safetensors":
         try:
             return load_file(str(path))
         except SafetensorError as err:  # "incomplete metadata, file not fully covered"
-            raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
+            raise UnreadableCheckpointError(
+                f"{path}: not a readable .safetensors file ({err})"
+            ) from None
     mmap = mmap and zipfile.is_zipfile(path)  # the legacy format cannot be mapped
     if unsafe:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+        try:
+            return _torch_load(path, path, weights_only=False, mmap=mmap)
+        except UnreadableCheckpointError:
+            raise
+        except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile) as err:
+            raise _unreadable(path, err) from None  # "invalid load key, 'D'."
     return _weights_only_load(path, path, extra_globals, mmap=mmap)
 
 

@@ -8,6 +8,7 @@ import torch only after their arguments are parsed, so `--help` answers at once.
 import argparse
 import copy
 import math
+from pathlib import Path
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -53,3 +54,42 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"expected a finite number, got {text}")
     return value
+
+
+# --- paths a script writes, checked before anything slow (a model load, a whole evaluation) ---
+# One ValueError line naming the flag, which the scripts print with exit status 2; nothing is
+# made or written. Only pathlib here, so a script can check before importing torch.
+
+
+def _file_in_the_way(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that exists as something other than a folder."""
+    for part in (folder, *folder.parents):
+        if part.exists():
+            return None if part.is_dir() else part
+    return None
+
+
+def check_output_file(path, flag: str, suffixes: tuple[str, ...] = ()) -> None:
+    """An output file's path: of one of `suffixes` (when given), not a folder, in a folder that
+    exists (a mistyped parent is not made silently)."""
+    path = Path(path)
+    if suffixes and path.suffix not in suffixes:
+        raise ValueError(f"{flag} {path}: expected a {' / '.join(suffixes)} file name")
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give the name of the file to write")
+    blocker = _file_in_the_way(path.parent)
+    if blocker is not None:
+        raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder")
+    if not path.parent.is_dir():
+        raise ValueError(f"{flag} {path}: no folder {path.parent}; make it first")
+
+
+def check_output_folder(path, flag: str) -> None:
+    """An output folder's path: not a file, and no file where one of its parents would be (the
+    folder and its missing parents are made when written)."""
+    path = Path(path)
+    blocker = _file_in_the_way(path)
+    if blocker == path:
+        raise ValueError(f"{flag} {path} is a file; give a folder")
+    if blocker is not None:
+        raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder")

@@ -9,7 +9,9 @@ import json
 import os
 import pickle
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +22,9 @@ from PIL.PngImagePlugin import PngInfo
 from ldm import checkpoint
 from ldm.layout import family
 from ldm.layout.diffusers import is_diffusers_folder
+from ldm.safe_load import check_readable
 from ldm.util import instantiate_from_config
+from lun.cli import check_output_folder
 from lun.config import check_complete, merge_configs, to_container
 from lun.contract import LatentModel
 from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
@@ -88,6 +92,47 @@ def writing(path):
         raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from err
 
 
+@contextlib.contextmanager
+def replaced_folder(folder: Path):
+    """A folder export written aside, then moved in: the block writes into a new hidden sibling;
+    when it ends well each entry written replaces its namesake in `folder` (an earlier export's
+    `unet/`, `config.json`), and whatever else the user keeps there stays. A failed write (a full
+    disk, a refused model) removes the new folder and leaves `folder` as it was, instead of half
+    of an earlier export's files overwritten."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    try:
+        yield new
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    if not folder.exists():
+        new.rename(folder)
+        return
+    replaced = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=folder.parent))
+    for entry in sorted(new.iterdir()):
+        target = folder / entry.name
+        if os.path.lexists(target):  # a folder cannot be renamed over: it goes aside first
+            target.rename(replaced / entry.name)
+        entry.rename(target)
+    shutil.rmtree(replaced, ignore_errors=True)
+    new.rmdir()
+
+
+def write_text_atomically(path: Path, text: str) -> None:
+    """`path` holds the old text or the whole new one, never a part (written aside, renamed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with writing(path):
+            tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def pick_device(name: str | None) -> torch.device:
     """The asked device, else the first available of cuda (also ROCm), mps, cpu."""
     if not name:
@@ -111,28 +156,65 @@ def find_config(ckpt: Path) -> list[Path]:
     return configs
 
 
-def load_model(args) -> LatentModel:
+def load_model(args, flag: str = "--ckpt") -> LatentModel:
     """Build the model from its config and load the checkpoint strictly (EMA as asked)."""
     ckpt = Path(args.ckpt)
     folder = is_diffusers_folder(ckpt)  # converted to the original layout on load
+    if ckpt.is_dir() and not folder:
+        raise ValueError(
+            f"{flag} {ckpt} is a folder, neither a weights file (.safetensors / .ckpt) nor a "
+            "diffusers folder (model_index.json)"
+        )
     if not (ckpt.is_file() or folder):
-        raise FileNotFoundError(f"--ckpt {ckpt}: no such file or diffusers folder")
-    if getattr(args, "vae", None) and not Path(args.vae).is_file():
-        raise FileNotFoundError(f"--vae {args.vae}: no such file")
+        raise FileNotFoundError(f"{flag} {ckpt}: no such file or diffusers folder")
+    check_vae_path(getattr(args, "vae", None))
     if folder and not args.config:
         raise ValueError(f"{ckpt}: a diffusers folder needs --config (the model's YAML)")
-    if not args.config:  # a VAE or LoRA file is named as such, not asked for its config
-        check_model_file(ckpt, None, "--ckpt", args.unsafe_load)
+    with naming(flag, ckpt):
+        if not args.config:  # a VAE or LoRA file is named as such, not asked for its config
+            check_model_file(ckpt, None, flag, args.unsafe_load)
     cfg = model_config(args)
     cfg.model.params.pop("ckpt_path", None)  # weights come from --ckpt
     check_complete(cfg.model)
     expected = family.model_family(to_container(cfg.model))  # built on the meta device
-    check_model_file(ckpt, expected, "--ckpt", args.unsafe_load)
+    with naming(flag, ckpt):
+        check_model_file(ckpt, expected, flag, args.unsafe_load)
     model = instantiate_from_config(to_container(cfg.model))
-    checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load, what="--ckpt")
+    with naming(flag, ckpt):
+        checkpoint.load_weights(model, ckpt, ema=args.ema, unsafe=args.unsafe_load, what=flag)
     if getattr(args, "vae", None):
-        load_vae(model, args.vae)
+        with naming("--vae", args.vae):
+            load_vae(model, args.vae)
     return model.eval().to(pick_device(args.device))
+
+
+def check_vae_path(vae: str | None) -> None:
+    """`--vae` names a weights file; a diffusers AutoencoderKL folder is read from its file."""
+    if not vae:
+        return
+    path = Path(vae)
+    if path.is_dir():
+        raise ValueError(
+            f"--vae {path} is a folder; give a VAE weights file (.safetensors / .ckpt); of a "
+            "diffusers AutoencoderKL folder, its diffusion_pytorch_model.safetensors"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(f"--vae {path}: no such file")
+    with naming("--vae", path):  # damaged or refused: said before the model is built
+        check_readable(path)
+
+
+@contextlib.contextmanager
+def naming(flag: str, path):
+    """A damaged or refused file's line (`ldm.safe_load`: "X: not a readable ...", "X: refused
+    to unpickle ...") says which flag named it: `--vae X: not a readable ...`."""
+    try:
+        yield
+    except (ValueError, pickle.UnpicklingError) as err:
+        text = str(err)
+        if not text.startswith(str(path)):  # already names its flag, or another file
+            raise
+        raise type(err)(f"{flag} {text}") from None
 
 
 def check_model_file(path, expected: str | None, what: str, unsafe: bool = False) -> None:
@@ -150,6 +232,9 @@ def check_model_file(path, expected: str | None, what: str, unsafe: bool = False
 def model_config(args):
     """The merged config of `--config` (one or several files), else of the run folder."""
     configs = args.config if isinstance(args.config, list) else [args.config]
+    if args.config:
+        for path in map(Path, configs):
+            check_text_file(path, "--config")
     config = merge_configs(configs if args.config else find_config(Path(args.ckpt)))
     if "model" not in config:  # a run folder's *-lightning.yaml, say
         raise ValueError(
@@ -157,6 +242,30 @@ def model_config(args):
             "(in a run folder: configs/*-project.yaml)"
         )
     return config
+
+
+def check_text_file(path: Path, flag: str) -> str:
+    """The UTF-8 text of a file a flag names (a config, a prompt list): missing, a folder or
+    binary bytes (a checkpoint given as --config) are one line naming the flag."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give a file")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{flag} {path}: not a text file (byte {err.start} is not UTF-8); is it the right file?"
+        ) from None
+
+
+def read_prompt_lines(path, flag: str = "--from-file") -> list[str]:
+    """One prompt per line, blank lines skipped; a file with none is one line naming it."""
+    path = Path(path)
+    prompts = [line.strip() for line in check_text_file(path, flag).splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"{flag} {path}: no prompts in it (one prompt per line)")
+    return prompts
 
 
 def load_vae(model: LatentModel, path: str) -> None:
@@ -225,9 +334,7 @@ def read_prompts(args, num_classes: int | None = None) -> list[str | int]:
     if getattr(args, "classes", None):
         return class_ids(args, num_classes) if num_classes else [int(c) for c in args.classes]
     if args.from_file:
-        return [
-            line.strip() for line in Path(args.from_file).read_text().splitlines() if line.strip()
-        ]
+        return read_prompt_lines(args.from_file)
     return [args.prompt]
 
 
@@ -271,12 +378,25 @@ def to_pil(image: torch.Tensor) -> Image.Image:
 
 
 def save_png(image: Image.Image, path: Path, parameters: str | None = None) -> None:
+    """A new PNG (`next_free` names it), removed again when its write fails (a full disk)."""
     info = None
     if parameters is not None:
         info = PngInfo()
         info.add_text("parameters", parameters)
-    with writing(path):
-        image.save(path, pnginfo=info)
+    try:
+        with writing(path):
+            image.save(path, pnginfo=info)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+
+
+def next_free(folder: Path, prefix: str = "") -> int:
+    """The number after the highest of the files `folder/<prefix><number>.png` already there, so
+    a new image never replaces one of an earlier run (counting them would, when one was deleted:
+    with 00000.png and 00002.png there, the count 2 overwrote 00002.png)."""
+    numbers = [p.stem[len(prefix) :] for p in folder.glob(f"{prefix}*.png")]
+    return max((int(n) for n in numbers if n.isdigit()), default=-1) + 1
 
 
 def starting_noise(seeds: list[int], shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -295,6 +415,9 @@ def generate(
     """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
     lora_files = parse_specs(getattr(args, "lora", []))  # checked before the model loads
     check_lora_files(lora_files)
+    check_output_folder(args.outdir, "--outdir")
+    if args.from_file and not getattr(args, "classes", None):
+        read_prompt_lines(args.from_file)  # before the model loads
     model = load_model(args)
     check_conditioning(model, args)
     check_lora_target(model, lora_files)
@@ -313,7 +436,7 @@ def generate(
     outdir = Path(args.outdir)
     sample_dir = outdir / "samples"
     sample_dir.mkdir(parents=True, exist_ok=True)
-    count = len(list(sample_dir.glob("*.png")))
+    count = next_free(sample_dir)
     autocast = (
         torch.autocast(device.type, dtype=DTYPES[args.dtype])
         if args.precision == "autocast"
@@ -364,7 +487,7 @@ def generate(
                 count += 1
             all_images.append(images.float().cpu())
     if not args.skip_grid:
-        grid_count = len(list(outdir.glob("grid-*.png")))
+        grid_count = next_free(outdir, "grid-")
         grid = make_grid(torch.cat(all_images), nrow=args.n_samples)
         save_png(Image.fromarray(grid), outdir / f"grid-{grid_count:04d}.png")
     print(f"wrote {len(written)} image{'' if len(written) == 1 else 's'} to {sample_dir}")
@@ -373,7 +496,14 @@ def generate(
 
 def load_init_image(path: str, width: int | None, height: int | None) -> torch.Tensor:
     """An image file -> (1, 3, H, W) in [-1, 1], resized to multiples of 8 (or to --W/--H)."""
-    image = Image.open(path).convert("RGB")
+    if Path(path).is_dir():
+        raise ValueError(f"--init-img {path} is a folder; give an image file")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--init-img {path}: no such file")
+    try:
+        image = Image.open(path).convert("RGB")
+    except UnidentifiedImageError:
+        raise ValueError(f"--init-img {path}: not an image file PIL can read") from None
     w, h = width or image.width, height or image.height
     w, h = w - w % 8, h - h % 8
     image = image.resize((w, h), Image.Resampling.LANCZOS)

@@ -7,6 +7,7 @@ AUTOMATIC1111 names them: `<lora:NAME:WEIGHT>` in the prompt text and a `Lora ha
 import dataclasses
 import hashlib
 import math
+import pickle
 from pathlib import Path
 
 import torch
@@ -18,7 +19,10 @@ from ldm.layout import family
 def check_lora_files(files: list[tuple[Path, float]]) -> None:
     """Every `--lora` file holds adapters only (not a model, a VAE...): read from its keys."""
     for path, _ in files:
-        found = family.file_family(path)
+        try:
+            found = family.file_family(path)
+        except (ValueError, pickle.UnpicklingError) as err:  # damaged, or refused: which flag
+            raise type(err)(f"--lora {err}") from None
         if found != family.LORA:
             hint = "a model goes to --ckpt (with its --config)"
             checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)
@@ -61,6 +65,8 @@ def parse_spec(text: str) -> tuple[Path, float]:
             raise ValueError(f"--lora {text}: weight '{weight}' is not a number") from None
         if not math.isfinite(value):
             raise ValueError(f"--lora {text}: weight '{weight}' is not a finite number")
+    if Path(path).is_dir():
+        raise ValueError(f"--lora {path} is a folder; give a LoRA file (.safetensors)")
     if not Path(path).is_file():
         raise FileNotFoundError(f"--lora {text}: LoRA file not found: {path}")
     return Path(path), value
@@ -105,11 +111,21 @@ def apply_loras(model: torch.nn.Module, files: list[tuple[Path, float]]) -> list
         lora.merge_adapters(model)
     for path, weight in files:
         metadata = safetensors_metadata(path)
-        state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
-        layers = lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
+        layers = merge_lora_file(model, path, weight, metadata)
         print(f"LoRA {path.name} at weight {weight:g}: {layers} layers")
         uses.append(LoraUse(path.stem, weight, a1111_short_hash(path, metadata)))
     return uses
+
+
+def merge_lora_file(model: torch.nn.Module, path: Path, weight: float, metadata: dict) -> int:
+    """`ldm.lora.merge_file` of one `--lora` file; its refusal (a LoRA of another family) names
+    the file. Returns the number of layers merged."""
+    state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
+    try:
+        return lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
+    except (ValueError, KeyError) as err:
+        text = str(err).strip("'")
+        raise type(err)(text if str(path) in text else f"--lora {path}: {text}") from None
 
 
 def tagged_prompt(prompt, uses: list[LoraUse]):

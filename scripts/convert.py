@@ -29,11 +29,16 @@ import inspect
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lun.cli import HelpFormatter
+from lun.cli import HelpFormatter, check_output_file, check_output_folder
 
 if TYPE_CHECKING:
     import torch
 # The heavy modules (torch, the models) are imported in the functions: --help answers at once.
+
+
+# What `out` may be: safetensors, or a torch pickle under one of its usual names (any other
+# name, a typo of `.safetensors` say, would silently get a pickle).
+OUTPUT_SUFFIXES = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
 
 
 def convert_state(state: dict, ema: bool, prune: bool) -> dict:
@@ -85,7 +90,7 @@ def save_checkpoint_file(state: dict, path: Path, dtype, contents: dict, prune: 
         return
     state = cast_weights(state, dtype)
     kept = {} if prune else {k: v for k, v in contents.items() if k != "state_dict"}
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = checkpoint.temporary_path(path)
     with writing(path):
         _torch_save(
             {**kept, "state_dict": state, "global_step": contents.get("global_step", 0)}, tmp
@@ -466,10 +471,22 @@ def main(argv=None) -> None:
     from ldm.layout.family import model_family as family_of
     from ldm.safe_load import state_dict_of
     from lun.config import merge_configs, to_container
-    from lun.generation import find_config, one_line_errors, writing
+    from lun.generation import (
+        check_text_file,
+        find_config,
+        one_line_errors,
+        replaced_folder,
+        writing,
+    )
     from lun.strategies import load_training_checkpoint
 
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
+        if args.out:  # before anything is read: a mistyped name is not found after an hour
+            check_output_file(args.out, "out", OUTPUT_SUFFIXES)
+        if args.to_diffusers:
+            check_output_folder(args.to_diffusers, "--to-diffusers")
+        if args.config:
+            check_text_file(Path(args.config), "--config")
         if diffusers_family(args.ckpt) == SD3:  # needs no config: its names say it all
             from convert_sd3 import folder_state
 
@@ -496,8 +513,8 @@ def main(argv=None) -> None:
             save_checkpoint_file(state, Path(args.out), dtype, contents, args.prune or args.ema)
             print(f"wrote {args.out} ({len(state)} tensors)")
         if args.to_diffusers:
-            with writing(args.to_diffusers):
-                export_diffusers(without_ema(state), original, Path(args.to_diffusers))
+            with writing(args.to_diffusers), replaced_folder(args.to_diffusers) as folder:
+                export_diffusers(without_ema(state), original, folder)
             print(f"wrote diffusers pipeline to {args.to_diffusers}")
 
 

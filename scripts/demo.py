@@ -136,6 +136,14 @@ def main(argv=None) -> None:
     for overlay in args.config:
         if not (ROOT / overlay).is_file():
             parser.error(f"--config {overlay}: no such file (paths are from {ROOT})")
+    from lun.cli import check_output_folder
+
+    try:  # a file where a folder goes: one line now, not a failed step after minutes
+        check_output_folder(ROOT / args.data, "--data")
+        check_output_folder(ROOT / args.logdir, "--logdir")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     if args.threads or "OMP_NUM_THREADS" not in os.environ:
         # Read by PyTorch in every step below (each is a new process).
         os.environ["OMP_NUM_THREADS"] = str(args.threads or idle_cores())

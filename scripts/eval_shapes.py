@@ -256,20 +256,24 @@ def main(argv=None) -> None:
 
     from PIL import Image
 
-    from lun.generation import load_model
+    from lun.cli import check_output_file
+    from lun.generation import load_model, one_line_errors, save_png
     from lun.images import make_grid
 
-    model = load_model(
-        argparse.Namespace(
-            ckpt=args.ckpt, config=args.config, ema=args.ema, unsafe_load=False, device="cpu"
+    with one_line_errors():  # a wrong file: one line naming it, exit 2, before any sampling
+        if args.grid:
+            check_output_file(args.grid, "--grid", (".png",))
+        model = load_model(
+            argparse.Namespace(
+                ckpt=args.ckpt, config=args.config, ema=args.ema, unsafe_load=False, device="cpu"
+            )
         )
-    )
-    scores, images, lines = evaluate(model, args)
-    if args.verbose:
-        print("\n".join(lines))
-    if args.grid:
-        Image.fromarray(make_grid(images, nrow=args.n)).save(args.grid)
-        print(f"scored images: {args.grid} (one row per prompt)")
+        scores, images, lines = evaluate(model, args)
+        if args.verbose:
+            print("\n".join(lines))
+        if args.grid:
+            save_png(Image.fromarray(make_grid(images, nrow=args.n)), Path(args.grid))
+            print(f"scored images: {args.grid} (one row per prompt)")
     print(scores.summary())
 
 

@@ -71,14 +71,26 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_inputs(args) -> list:
     """Every file named, before anything slow; returns the prompts or class ids."""
     from ldm.layout import family
+    from ldm.safe_load import check_readable
     from lun.callbacks.evaluation import read_prompt_file
+    from lun.cli import check_output_file, check_output_folder
     from lun.config import merge_configs, to_container
     from lun.eval.clip_score import check_clip_folder
     from lun.eval.features import check_features_file
-    from lun.generation import check_model_file
+    from lun.generation import check_model_file, check_text_file, naming
 
+    if args.out:  # written after the whole evaluation: a wrong path is said now
+        check_output_file(args.out, "--out")
+    if args.cache_dir:
+        check_output_folder(args.cache_dir, "--cache-dir")
+    for config in args.base:
+        check_text_file(Path(config), "--base")
+    if args.prompts and Path(args.prompts).exists():
+        check_text_file(Path(args.prompts), "--prompts")  # a folder, a binary file
     inputs = read_prompt_file(args.prompts) if args.prompts else list(args.classes)
     check_features_file(args.features, "--features")
+    with naming("--features", args.features):
+        check_readable(args.features)  # read after the first model loads
     if args.clip is not None:
         check_clip_folder(args.clip, "--clip")
         if args.classes:
@@ -152,7 +164,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from lun.generation import load_model, one_line_errors, writing  # torch: after parsing
+    from lun.generation import load_model, one_line_errors, write_text_atomically
 
     with one_line_errors():
         inputs = check_inputs(args)
@@ -171,7 +183,8 @@ def main(argv=None) -> None:
                     ema=args.ema,
                     unsafe_load=args.unsafe_load,
                     device=args.device,
-                )
+                ),
+                flag="ckpt",
             )
             if not rows:  # the extractor and the reference, on the model's device
                 extractor = load_features(args.features, args.feature_size).to(model.device)
@@ -198,10 +211,8 @@ def main(argv=None) -> None:
             settings = {k: v for k, v in vars(args).items() if k not in ("ckpts", "out")}
             settings["features_identity"] = extractor.identity
             settings["reference_count"] = len(reference)
-            with writing(args.out):
-                Path(args.out).write_text(
-                    json.dumps({"settings": settings, "results": rows}, indent=1)
-                )
+            results = json.dumps({"settings": settings, "results": rows}, indent=1)
+            write_text_atomically(Path(args.out), results)  # an earlier file: whole, or replaced
             print(f"wrote {args.out}")
 
 

@@ -143,6 +143,31 @@ def plot(rows: list[dict], path: Path) -> None:
     image.save(path)
 
 
+def check_inputs(args) -> None:
+    """What the flags name, in one line each (exit 2) before data is drawn or anything trains:
+    a --features file that is not there would otherwise be trained anew and written there."""
+    from ldm.safe_load import check_readable
+    from lun.cli import check_output_folder
+    from lun.generation import naming, one_line_errors
+
+    with one_line_errors():
+        check_output_folder(args.out, "--out")
+        if args.features:
+            if Path(args.features).is_dir():
+                raise ValueError(f"--features {args.features} is a folder; give a SmallCNN file")
+            if not Path(args.features).is_file():
+                raise FileNotFoundError(
+                    f"--features {args.features}: no such file (leave --features out to train one)"
+                )
+            with naming("--features", args.features):
+                check_readable(args.features)
+        if args.resume and not (Path(args.resume) / "checkpoints").is_dir():
+            raise FileNotFoundError(f"--resume {args.resume}: not a run folder (no checkpoints/)")
+        for overlay in args.config:
+            if not Path(overlay).is_file():
+                raise FileNotFoundError(f"--config {overlay}: no such file")
+
+
 def main(argv=None) -> None:
     from lun.cli import HelpFormatter
 
@@ -165,6 +190,7 @@ def main(argv=None) -> None:
     parser.add_argument("--features", help="a SmallCNN file (default: train one)")
     parser.add_argument("--resume", help="a run folder of this script: train on to --max-steps")
     args = parser.parse_args(argv)
+    check_inputs(args)
     out = Path(args.out).resolve()
     if not (out / "data").is_dir():
         make_shapes(out / "data", 4000, 16, seed=0)

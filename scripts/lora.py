@@ -16,7 +16,7 @@
 import argparse
 from pathlib import Path
 
-from lun.cli import HelpFormatter
+from lun.cli import HelpFormatter, check_output_file
 
 # The heavy modules (torch, the models) are imported in the functions: --help answers at once.
 
@@ -68,7 +68,13 @@ def merge(args) -> None:
 
     from ldm import checkpoint, lora
     from lun.generation import writing
-    from lun.lora_use import check_lora_files, check_lora_target, parse_spec, safetensors_metadata
+    from lun.lora_use import (
+        check_lora_files,
+        check_lora_target,
+        merge_lora_file,
+        parse_spec,
+        safetensors_metadata,
+    )
 
     files = [parse_spec(item) for item in args.lora]
     check_lora_files(files)  # before the model is built
@@ -76,9 +82,7 @@ def merge(args) -> None:
     check_lora_target(model, files)
     merged = lora.merge_adapters(model, args.weight) if lora.has_adapters(model) else 0
     for path, weight in files:
-        state = checkpoint.state_dict_of(checkpoint.load_file_state(path))
-        metadata = safetensors_metadata(path)
-        merged += lora.merge_file(model, state, weight, source=str(path), metadata=metadata)
+        merged += merge_lora_file(model, path, weight, safetensors_metadata(path))
     if not merged:
         raise ValueError("nothing to merge: the checkpoint has no adapters and no --lora was given")
     state = {k: v for k, v in model.state_dict().items()}
@@ -113,9 +117,12 @@ def main(argv=None) -> None:
         help="LoRA files (kohya or diffusers format) to merge too",
     )
     args = parser.parse_args(argv)
-    from lun.generation import one_line_errors
+    from lun.generation import check_text_file, one_line_errors
 
     with one_line_errors():
+        check_output_file(args.out, "out", (".safetensors",))  # before the model loads
+        if args.config:
+            check_text_file(Path(args.config), "--config")
         export(args) if args.command == "export" else merge(args)
 
 

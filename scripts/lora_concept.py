@@ -124,6 +124,22 @@ def score(ckpt: str, n: int, size: int, steps: int = SAMPLING["steps"]) -> dict:
     }
 
 
+def check_inputs(args) -> None:
+    """--base-ckpt readable and --out a folder, in one line each (exit 2) before any training."""
+    from ldm.safe_load import check_readable
+    from lun.cli import check_output_folder
+    from lun.generation import naming, one_line_errors
+
+    with one_line_errors():
+        if Path(args.base_ckpt).is_dir():
+            raise ValueError(f"--base-ckpt {args.base_ckpt} is a folder; give a checkpoint file")
+        if not Path(args.base_ckpt).is_file():
+            raise FileNotFoundError(f"--base-ckpt {args.base_ckpt}: no such file")
+        with naming("--base-ckpt", args.base_ckpt):
+            check_readable(args.base_ckpt)
+        check_output_folder(args.out, "--out")
+
+
 def base_has_ema(path: str) -> bool:
     """Whether the base checkpoint has EMA weights (a demo run's has: they are what it samples
     with); a base without them is trained on from its raw weights."""
@@ -329,9 +345,7 @@ def main(argv=None) -> None:
         "--prior", action="store_true", help="with --base-quantization: the prior-preservation LoRA"
     )
     args = parser.parse_args(argv)
-    if not Path(args.base_ckpt).is_file():
-        print(f"error: --base-ckpt {args.base_ckpt}: no such file", file=sys.stderr)
-        sys.exit(2)
+    check_inputs(args)
     args.out = args.out.resolve()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     args.base_has_ema = base_has_ema(args.base_ckpt)

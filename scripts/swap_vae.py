@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lun.cli import HelpFormatter
+from lun.cli import HelpFormatter, check_output_file, check_output_folder
 
 if TYPE_CHECKING:
     import torch
@@ -109,19 +109,34 @@ def main(argv=None) -> int:
     opt = parser.parse_args(argv)
     if not opt.out and not opt.to_diffusers:
         parser.error("give --out FILE, --to-diffusers DIR, or both")
-    if opt.out and not opt.out.endswith(".safetensors"):
-        print(f"error: --out {opt.out}: expected a .safetensors file name", file=sys.stderr)
+    try:  # the outputs first: a mistyped name is one line before anything is read
+        if opt.out:
+            check_output_file(opt.out, "--out", (".safetensors",))
+        if opt.to_diffusers:
+            check_output_folder(opt.to_diffusers, "--to-diffusers")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
+    import pickle
+
     import torch
 
     from ldm.checkpoint import check_family, save_safetensors
     from ldm.layout import family
     from ldm.safe_load import load_file_state, state_dict_of
+    from lun.generation import naming, one_line_errors, replaced_folder, writing
 
     try:
-        vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
+        for flag, path in (("--vae", opt.vae), ("--ckpt", opt.ckpt)):
+            if path and Path(path).is_dir():
+                raise ValueError(f"{flag} {path} is a folder; give a weights file")
+            if path and not Path(path).is_file():
+                raise ValueError(f"{flag} {path}: no such file")
+        with naming("--vae", opt.vae):
+            vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
         if opt.ckpt:
-            diffusion = state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load))
+            with naming("--ckpt", opt.ckpt):
+                diffusion = state_dict_of(load_file_state(opt.ckpt, opt.unsafe_load))
             found = family.model_family(diffusion)
             if found in (family.VAE, family.LORA):
                 expected = "a diffusion model checkpoint (first_stage_model.*)"
@@ -132,18 +147,23 @@ def main(argv=None) -> int:
         scaling_factor = opt.scaling_factor
         if opt.to_diffusers and scaling_factor is None:
             scaling_factor = default_scaling_factor(vae, opt.vae)
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, pickle.UnpicklingError) as err:
+        # UnpicklingError: ldm.safe_load's refusal of a file holding code
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         return 2
     dtype = torch.float16 if opt.half else None
-    if opt.out:
-        save_safetensors(state, opt.out, dtype=dtype)
-        print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
-    if opt.to_diffusers:
-        write_diffusers(
-            vae, Path(opt.to_diffusers), dtype, scaling_factor, opt.size, opt.shift_factor
-        )
-        print(f"wrote diffusers AutoencoderKL to {opt.to_diffusers}")
+    try:
+        with one_line_errors():  # a failed write: the system's words and the path, exit 1
+            if opt.out:
+                with writing(opt.out):
+                    save_safetensors(state, opt.out, dtype=dtype)
+                print(f"wrote {opt.out} ({len(vae)} VAE tensors)")
+            if opt.to_diffusers:
+                with writing(opt.to_diffusers), replaced_folder(opt.to_diffusers) as folder:
+                    write_diffusers(vae, folder, dtype, scaling_factor, opt.size, opt.shift_factor)
+                print(f"wrote diffusers AutoencoderKL to {opt.to_diffusers}")
+    except SystemExit as stop:
+        return stop.code
     return 0
 
 

@@ -71,7 +71,8 @@ def test_truncated_safetensors_is_one_line_naming_the_file(
     status, lines = exit_of(script.main, argv, capsys)
     assert status == 2
     assert len(lines) == 1, lines
-    assert lines[0].startswith(f"error: {broken}: not a readable .safetensors file"), lines
+    flag = "" if script is convert else "--ckpt "  # the flag that named it, when one did
+    assert lines[0].startswith(f"error: {flag}{broken}: not a readable .safetensors file"), lines
     assert "incomplete metadata" in lines[0]  # safetensors' own words kept as the detail
 
 
