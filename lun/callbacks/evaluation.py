@@ -44,7 +44,11 @@ def read_prompt_file(path) -> list[str]:
     """One prompt per line, blank lines skipped; ValueError naming the file when it has none."""
     if path is None or not os.path.isfile(path):
         raise ValueError(f"prompts={path}: prompt file not found (one prompt per line)")
-    prompts = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"prompts={path}: not a UTF-8 text file (one prompt per line)") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompts={path}: the prompt file has no prompts")
     return prompts

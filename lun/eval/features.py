@@ -23,6 +23,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from ldm import safe_load
+
 INCEPTION_FILE = "pt_inception-2015-12-05-6726825d.pth"
 INCEPTION_URL = (
     "https://github.com/mseitzer/pytorch-fid/releases/download/fid_weights/" + INCEPTION_FILE
@@ -265,6 +267,7 @@ def check_features_file(path: str | Path | None, key: str = "features") -> None:
 
 
 def _read_state(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    safe_load.check_readable(path)  # a damaged file or one holding code: one line naming it
     if path.suffix == ".safetensors":
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}

@@ -6,6 +6,7 @@ import torch
 from eval_helpers import make_clip_folder
 from safetensors.torch import save_file
 
+from lun.callbacks.evaluation import read_prompt_file
 from lun.eval.features import InceptionV3, SmallCNN, load_features
 from lun.eval.fid import fid, fit_gaussian, frechet_distance, kid
 
@@ -91,6 +92,20 @@ def test_inception_loads_pytorch_fid_layout(tmp_path):
 def test_missing_features_file_names_it_and_where_to_get_it(tmp_path):
     with pytest.raises(ValueError, match=r"nope\.pth.*pt_inception-2015-12-05"):
         load_features(tmp_path / "nope.pth")
+
+
+def test_damaged_features_files_and_prompt_files_are_one_line_naming_them(tmp_path):
+    net = SmallCNN(num_classes=4, widths=(8, 16), size=8)
+    path = tmp_path / "cut.safetensors"
+    save_file(net.state_dict(), str(path), metadata=net.metadata())
+    path.write_bytes(path.read_bytes()[:-100])  # a download cut short
+    with pytest.raises(ValueError, match="cut.safetensors") as err:
+        load_features(path)
+    assert "\n" not in str(err.value)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")  # a picture given as the prompt file
+    with pytest.raises(ValueError, match=r"prompts=.*prompts.txt: not a UTF-8 text file"):
+        read_prompt_file(prompts)
 
 
 def test_small_cnn_round_trip(tmp_path):
