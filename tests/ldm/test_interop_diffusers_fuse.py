@@ -45,9 +45,26 @@ def configs(tmp_path_factory):
     return {"sdxl": path}
 
 
+@pytest.fixture(scope="module")
+def base_pipelines(tmp_path_factory, configs):
+    """The pipeline of each family's base: `build` moves the base weights the same way whatever
+    the adapters, so one export serves every case (each test takes a copy)."""
+    root = tmp_path_factory.mktemp("base")
+    return {
+        family: pipeline(base_weights(build(config, None)), config, root / family)
+        for family, config in configs.items()
+    }
+
+
 def pipeline(state: dict, config, folder):
     convert.export_diffusers(state, to_container(merge_configs([config])), folder)
     return diffusers.DiffusionPipeline.from_pretrained(folder, local_files_only=True)
+
+
+def base_weights(model) -> dict:
+    saved = {"state_dict": model.state_dict()}
+    lora.save_layout(model, saved)
+    return {k: v for k, v in saved["state_dict"].items() if not k.startswith(LORA_PREFIX)}
 
 
 def weights(pipe) -> dict:
@@ -69,18 +86,17 @@ class Said(logging.Handler):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_diffusers_fuses_our_file_into_the_weights_of_peft_merge(tmp_path, configs, case):
+def test_diffusers_fuses_our_file_into_the_weights_of_peft_merge(
+    tmp_path, configs, base_pipelines, case
+):
     family, settings, kind = CASES[case]
     model = build(configs[family], settings).eval()
     randomize_adapters(model)
-    saved = {"state_dict": model.state_dict()}
-    lora.save_layout(model, saved)
-    base = {k: v for k, v in saved["state_dict"].items() if not k.startswith(LORA_PREFIX)}
     merged = copy.deepcopy(model)
     lora.merge_adapters(merged)
     expected = weights(pipeline(merged.state_dict(), configs[family], tmp_path / "merged"))
 
-    pipe = pipeline(base, configs[family], tmp_path / "base")
+    pipe = copy.deepcopy(base_pipelines[family])
     before = weights(pipe)
     state = lora.kohya_state_dict(model) if kind == "kohya" else lora.diffusers_state_dict(model)
     save_file(state, tmp_path / "adapter.safetensors")
