@@ -1,7 +1,7 @@
 """Our kohya LoRA / LoCon / DoRA files of SD 1.x, SD 2.x and SDXL under ComfyUI's own rules.
 
 ComfyUI is not installed here, so its rules are restated from its source (comfyanonymous/ComfyUI,
-read at 41444b5):
+lora.py read at 41444b5):
 - the names its model holds: `diffusion_model.<original UNet name>`; SD 1.x's CLIP as
   `clip_l.transformer.text_model...`, SD 2.x's OpenCLIP as `clip_h.transformer.text_model...` and
   SDXL's as `clip_l` + `clip_g` (supported_models.py `process_clip_state_dict`), OpenCLIP blocks
