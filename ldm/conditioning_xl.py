@@ -51,6 +51,11 @@ class ConcatTimestepEmbedderND(nn.Module):
         emb = timestep_embedding(x.reshape(-1), self.outdim)  # (B * N, outdim)
         return emb.reshape(b, -1)  # (B, N * outdim)
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        # Its inputs are (height, width)-like pairs (GeneralConditioner's `pairs`).
+        return {"vector": 2 * self.outdim}
+
     def lora_targets(self) -> list:
         return []  # no parameters
 
@@ -110,6 +115,15 @@ class GeneralConditioner(nn.Module):
         for embedder in self.embedders:  # a frozen embedder stays in eval mode
             embedder.train(mode and embedder.trainable)
         return self
+
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """The embedders' widths summed per field, as `combine` concatenates their outputs."""
+        widths: dict[str, int] = {}
+        for embedder in self.embedders:
+            for field, width in embedder.field_widths.items():
+                widths[field] = widths.get(field, 0) + width
+        return widths
 
     def lora_targets(self) -> list:
         """The text towers' (CLIP-L, OpenCLIP bigG), in embedder order: kohya's `lora_te1_` /
