@@ -216,13 +216,14 @@ def check_field_widths(conditioner: nn.Module, backbone: nn.Module) -> None:
     error at the first training step.
 
     Both parts say their widths (`field_widths`); the backbone also names the config key that
-    sets each (`field_keys`), which the line starts with. A part that does not say (a user's
-    own class) is not checked."""
+    sets each (`field_keys`), which the line starts with (the launcher finds its full path). A
+    part that does not say (a user's own class) is not checked."""
     made = getattr(conditioner, "field_widths", None)
     read = getattr(backbone, "field_widths", None)
     if made is None or read is None:
         return
-    maker, reader = type(conditioner).__name__, type(backbone).__name__
+    maker = f"conditioner_config ({type(conditioner).__name__})"
+    reader = type(backbone).__name__
     keys = getattr(backbone, "field_keys", {})
     for field, want in read.items():  # first what the backbone cannot do without
         have, key, what = made.get(field), keys.get(field, field), _named(field)

@@ -85,15 +85,16 @@ XL_TEXT = "model.params.conditioner_config.params.emb_models"
 BACKBONE = "model.params.backbone_config.params"
 TEXT = "model.params.conditioner_config.params"
 
-# (case id, config, overrides, the whole error line)
+# (case id, config, overrides, an edit of the model's params, how the error line starts)
 MISMATCHES = [
     (
         "sd1 context_dim",
         "tiny/ldm.yaml",
         [f"{SD_UNET}.context_dim=48"],
         None,
-        "context_dim=48: UNetModel reads crossattn (text tokens) 48 wide, but FrozenCLIPEmbedder "
-        "makes 32 wide; set context_dim: 32, or configure the conditioner to make 48 wide",
+        "context_dim=48: UNetModel reads crossattn (text tokens) 48 wide, but conditioner_config "
+        "(FrozenCLIPEmbedder) makes 32 wide; set context_dim: 32, or configure the conditioner to "
+        "make 48 wide",
     ),
     (
         "sd2 OpenCLIP on an SD1 UNet",
@@ -108,7 +109,7 @@ MISMATCHES = [
             embed_dim=64,
         ),  # fmt: skip
         "context_dim=32: UNetModel reads crossattn (text tokens) 32 wide, but "
-        "FrozenOpenCLIPEmbedder makes 64 wide; set context_dim: 64",
+        "conditioner_config (FrozenOpenCLIPEmbedder) makes 64 wide; set context_dim: 64",
     ),
     (
         "sdxl adm_in_channels",
@@ -116,7 +117,7 @@ MISMATCHES = [
         [f"{XL_UNET}.adm_in_channels=96"],
         None,
         "adm_in_channels=96: UNetModel reads vector (pooled vector) 96 wide, but "
-        "GeneralConditioner makes 80 wide; set adm_in_channels: 80",
+        "conditioner_config (GeneralConditioner) makes 80 wide; set adm_in_channels: 80",
     ),
     (
         "sdxl size embedding outdim",
@@ -124,7 +125,7 @@ MISMATCHES = [
         [],
         sdxl_embedder(2, outdim=16),
         "adm_in_channels=80: UNetModel reads vector (pooled vector) 80 wide, but "
-        "GeneralConditioner makes 96 wide; set adm_in_channels: 96",
+        "conditioner_config (GeneralConditioner) makes 96 wide; set adm_in_channels: 96",
     ),
     (
         "sdxl bigG width",
@@ -132,72 +133,73 @@ MISMATCHES = [
         [],
         sdxl_embedder(1, width=64),
         "context_dim=64: UNetModel reads crossattn (text tokens) 64 wide, but "
-        "GeneralConditioner makes 96 wide; set context_dim: 96",
+        "conditioner_config (GeneralConditioner) makes 96 wide; set context_dim: 96",
     ),
     (
         "sdxl no adm",
         "tiny/sdxl.yaml",
         [f"{XL_UNET}.adm_in_channels=null", f"{XL_UNET}.num_classes=null"],
         None,
-        "GeneralConditioner makes vector (pooled vector) 80 wide, which UNetModel does not read; "
-        "set the backbone's adm_in_channels: 80, or use a conditioner without it",
+        "conditioner_config (GeneralConditioner) makes vector (pooled vector) 80 wide, which "
+        "UNetModel does not read; set the backbone's adm_in_channels: 80, or use a conditioner "
+        "without it",
     ),
     (
         "sd3 context_dim",
         "sd3/tiny.yaml",
         [f"{BACKBONE}.context_dim=64"],
         None,
-        "context_dim=64: MMDiT reads crossattn (text tokens) 64 wide, but SD3Conditioner makes "
-        "48 wide; set context_dim: 48",
+        "context_dim=64: MMDiT reads crossattn (text tokens) 64 wide, but conditioner_config "
+        "(SD3Conditioner) makes 48 wide; set context_dim: 48",
     ),
     (
         "sd3 pooled_dim vs clip_g",
         "sd3/tiny.yaml",
         [f"{TEXT}.clip_g.config.projection_dim=32"],
         None,
-        "pooled_dim=40: MMDiT reads vector (pooled vector) 40 wide, but SD3Conditioner makes "
-        "48 wide; set pooled_dim: 48",
+        "pooled_dim=40: MMDiT reads vector (pooled vector) 40 wide, but conditioner_config "
+        "(SD3Conditioner) makes 48 wide; set pooled_dim: 48",
     ),
     (
         "flux pooled_dim",
         "flux/tiny.yaml",
         [f"{BACKBONE}.pooled_dim=24"],
         None,
-        "pooled_dim=24: Flux reads vector (pooled vector) 24 wide, but FluxConditioner makes 16 "
-        "wide; set pooled_dim: 16",
+        "pooled_dim=24: Flux reads vector (pooled vector) 24 wide, but conditioner_config "
+        "(FluxConditioner) makes 16 wide; set pooled_dim: 16",
     ),
     (
         "flux context_dim vs T5",
         "flux/tiny.yaml",
         [f"{TEXT}.t5xxl.config.d_model=64"],
         None,
-        "context_dim=48: Flux reads crossattn (text tokens) 48 wide, but FluxConditioner makes "
-        "64 wide; set context_dim: 64",
+        "context_dim=48: Flux reads crossattn (text tokens) 48 wide, but conditioner_config "
+        "(FluxConditioner) makes 64 wide; set context_dim: 64",
     ),
     (
         "dit text context_dim",
         "tiny/dit.yaml",
         [f"{BACKBONE}.context_dim=48"],
         None,
-        "context_dim=48: TextDiT reads crossattn (text tokens) 48 wide, but FrozenCLIPEmbedder "
-        "makes 32 wide; set context_dim: 32",
+        "context_dim=48: TextDiT reads crossattn (text tokens) 48 wide, but conditioner_config "
+        "(FrozenCLIPEmbedder) makes 32 wide; set context_dim: 32",
     ),
     (
         "dit text backbone, class labels",
         "tiny/dit.yaml",
         [],
         replaced("conditioner_config", "ldm.conditioning.ClassLabels", num_classes=4),
-        "context_dim=32: TextDiT reads crossattn (text tokens), which ClassLabels does not make "
-        "(it makes y); use a conditioner that makes crossattn, or a backbone that reads what "
-        "this one makes",
+        "context_dim=32: TextDiT reads crossattn (text tokens), which conditioner_config "
+        "(ClassLabels) does not make (it makes y); use a conditioner that makes crossattn, or a "
+        "backbone that reads what this one makes",
     ),
     (
         "dit class backbone, text encoder",
         "tiny/dit.yaml",
         [],
         backbone_as("ldm.dit.DiT", "context_dim", num_classes=4),
-        "num_classes=4: DiT reads y (class labels), which FrozenCLIPEmbedder does not make (it "
-        "makes crossattn); use a conditioner that makes y",
+        "num_classes=4: DiT reads y (class labels), which conditioner_config (FrozenCLIPEmbedder) "
+        "does not make (it makes crossattn); use a conditioner that makes y",
     ),
 ]
 
@@ -218,8 +220,8 @@ def test_more_class_labels_than_the_dit_table_has_rows_is_one_line():
     assert one_line(
         "dit/shapes-dit.yaml", f"{BACKBONE}.num_classes=4", f"{BACKBONE}.hidden_size=32"
     ).startswith(
-        "num_classes=4: DiT reads y (class labels) 4 classes, but ClassLabels makes 18 classes; "
-        "set num_classes: 18"
+        "num_classes=4: DiT reads y (class labels) 4 classes, but conditioner_config "
+        "(ClassLabels) makes 18 classes; set num_classes: 18"
     )
     build("dit/shapes-dit.yaml", f"{BACKBONE}.num_classes=1000", f"{BACKBONE}.hidden_size=32")
 
@@ -254,6 +256,6 @@ def test_an_unknown_part_is_not_checked():
     from ldm.conditioning import check_field_widths
     from ldm.text_encoder import FrozenCLIPEmbedder
 
-    text = FrozenCLIPEmbedder(config={"hidden_size": 32, "intermediate_size": 64,
-                                      "num_hidden_layers": 1, "num_attention_heads": 2})  # fmt: skip
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    text = FrozenCLIPEmbedder(config={**tiny, "num_attention_heads": 2})
     check_field_widths(text, torch.nn.Linear(2, 2))  # no field_widths: nothing to compare
