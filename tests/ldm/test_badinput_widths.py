@@ -227,23 +227,24 @@ def test_more_class_labels_than_the_dit_table_has_rows_is_one_line():
 
 
 @pytest.mark.parametrize(
-    ("config", "overrides"),
+    ("config", "overrides", "edit"),
     [
-        ("tiny/ldm.yaml", []),
-        ("tiny/sdxl.yaml", []),
-        ("tiny/dit.yaml", []),
-        ("sd3/tiny.yaml", []),
-        ("flux/tiny.yaml", []),
-        ("sd3/tiny.yaml", [f"{TEXT}.t5xxl={{config: {TINY_T5}}}"]),
+        ("tiny/ldm.yaml", [], None),
+        ("tiny/sdxl.yaml", [], None),
+        ("tiny/sdxl.yaml", [f"{XL_UNET}.context_dim=96"], sdxl_embedder(1, width=64)),
+        ("tiny/dit.yaml", [], None),
+        ("sd3/tiny.yaml", [], None),
+        ("flux/tiny.yaml", [], None),
+        ("sd3/tiny.yaml", [f"{TEXT}.t5xxl={{config: {TINY_T5}}}"], None),
     ],
-    ids=["sd1", "sdxl", "dit", "sd3", "flux", "sd3 with t5"],
+    ids=["sd1", "sdxl", "sdxl bigG 64 wide, pooled 32", "dit", "sd3", "flux", "sd3 with t5"],
 )
-def test_the_tiny_configs_agree_and_report_the_widths_they_use(config, overrides):
+def test_the_tiny_configs_agree_and_report_the_widths_they_use(config, overrides, edit):
     """Both sides report their widths from config, and for the shipped tiny configs they are
     equal - and what one conditioning pass makes (no forward ran to find them)."""
     if "t5xxl=" in " ".join(overrides):
         overrides = [*overrides, f"{TEXT}.t5xxl.tokenizer={t5_tokenizer()}"]
-    model = build(config, *overrides).eval()
+    model = build(config, *overrides, edit=edit).eval()
     made, read = model.conditioner.field_widths, model.backbone.field_widths
     assert made == read and made
     batch = {"caption": ["a red circle", ""], "image": torch.zeros(2, 3, 32, 32)}
