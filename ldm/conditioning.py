@@ -250,7 +250,6 @@ def check_field_widths(conditioner: nn.Module, backbone: nn.Module) -> None:
                 else "use a backbone that reads it"
             )
             raise ValueError(
-                f"{maker} makes {_named(field)} {_amount(field, have)}, which {reader} does not "
-                "read; "
-                f"{fix}, or use a conditioner without it"
+                f"{maker} makes {_named(field)} {_amount(field, have)}, which {reader} does "
+                f"not read; {fix}, or use a conditioner without it"
             )
