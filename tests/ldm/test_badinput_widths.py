@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from run_helpers import ROOT
 from sd3_helpers import t5_tokenizer_folder
 
@@ -260,3 +261,42 @@ def test_an_unknown_part_is_not_checked():
     tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
     text = FrozenCLIPEmbedder(config={**tiny, "num_attention_heads": 2})
     check_field_widths(text, torch.nn.Linear(2, 2))  # no field_widths: nothing to compare
+
+
+# --- the shipped configs at full size -------------------------------------------------------------
+def is_model_config(path: Path) -> bool:
+    """A whole diffusion model (not an overlay, not an autoencoder to train)."""
+    model = OmegaConf.load(path).get("model")
+    return model is not None and "target" in model and "utoencoder" not in model.target
+
+
+FULL_SIZE = sorted(p for p in CONFIGS.glob("**/*.yaml") if is_model_config(p))
+
+
+def offline(node):
+    """A model config without its files: no weights to load (`ckpt_path`), encoders built
+    from their config (`version`), T5's tokenizer the toy one."""
+    if isinstance(node, dict):
+        for key in ("ckpt_path", "version"):
+            node.pop(key, None)
+        if isinstance(node.get("t5xxl"), dict):
+            node["t5xxl"]["tokenizer"] = str(t5_tokenizer())
+        for value in node.values():
+            offline(value)
+    elif isinstance(node, list):
+        for value in node:
+            offline(value)
+
+
+@pytest.mark.parametrize("path", FULL_SIZE, ids=lambda p: p.relative_to(CONFIGS).as_posix())
+def test_every_shipped_model_config_agrees_at_full_size(path):
+    """tests/e2e/test_configs.py trains each config at toy width, with overrides that set both
+    sides' widths: this builds them at their own width, on the meta device (no memory, no
+    weights - the widths come from the parts' configs), so a shipped config whose conditioner
+    and backbone disagree fails here."""
+    model = to_container(merge_configs([path], []))["model"]
+    offline(model)
+    model["params"].pop("lora", None)  # adapters change no width (and cost seconds at this size)
+    with torch.device("meta"):
+        built = instantiate_from_config(model)
+    assert built.conditioner.field_widths == built.backbone.field_widths
