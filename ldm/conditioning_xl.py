@@ -42,6 +42,8 @@ class ConcatTimestepEmbedderND(nn.Module):
         outdim: channels per number (SDXL: 256).
     """
 
+    input_key = ""  # set by GeneralConditioner
+
     def __init__(self, outdim: int):
         super().__init__()
         self.outdim = outdim
@@ -53,8 +55,10 @@ class ConcatTimestepEmbedderND(nn.Module):
 
     @property
     def field_widths(self) -> dict[str, int]:
-        # Its inputs are (height, width)-like pairs (GeneralConditioner's `pairs`).
-        return {"vector": 2 * self.outdim}
+        # SDXL's size and crop inputs are (height, width)-like pairs (`pairs`); sgm's other
+        # input of this kind, the refiner's aesthetic_score, is one number (B, 1).
+        numbers = 2 if self.input_key in SIZE_KEYS else 1
+        return {"vector": numbers * self.outdim}
 
     def lora_targets(self) -> list:
         return []  # no parameters

@@ -300,3 +300,20 @@ def test_every_shipped_model_config_agrees_at_full_size(path):
     with torch.device("meta"):
         built = instantiate_from_config(model)
     assert built.conditioner.field_widths == built.backbone.field_widths
+
+
+def test_sdxl_refiner_aesthetic_score_is_one_number_wide():
+    """sgm's refiner embeds `aesthetic_score` (B, 1) with the size embedder: outdim wide, not
+    2 x outdim as the (height, width) pairs - what its adm_in_channels 2560 counts."""
+    from ldm.conditioning_xl import GeneralConditioner
+
+    sizes = {"target": "ldm.conditioning_xl.ConcatTimestepEmbedderND", "params": {"outdim": 8}}
+    conditioner = GeneralConditioner(
+        [
+            {**sizes, "input_key": "original_size_as_tuple"},
+            {**sizes, "input_key": "aesthetic_score"},
+        ]
+    )
+    assert conditioner.field_widths == {"vector": 2 * 8 + 8}
+    batch = {"aesthetic_score": torch.full((2, 1), 6.0), "image": torch.zeros(2, 3, 32, 32)}
+    assert conditioner.condition(batch)["vector"].shape == (2, 24)
