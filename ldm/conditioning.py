@@ -44,6 +44,12 @@ class Conditioner(Protocol):
         [] when there are none (a class-label or frozen-only conditioner)."""
         ...
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """The width of each field it makes (`crossattn`, `vector`; for `y` the class count),
+        from its built parts' configs: `check_field_widths` compares them with the backbone's."""
+        ...
+
 
 class Embedder(nn.Module):
     """One conditioning input: `batch[input_key]` -> the field `field` of the conditioning dict.
@@ -71,6 +77,11 @@ class Embedder(nn.Module):
     def null_inputs(self, n: int):
         """The unconditional value of `n` inputs."""
         raise NotImplementedError
+
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """`{field: width}` of its output (subclasses give `width`, read from their config)."""
+        return {self.field: self.width}
 
     def freeze(self) -> None:
         """No gradients and eval mode (the original encoders' `freeze`)."""
@@ -171,6 +182,10 @@ class ClassLabels(Embedder):
     def null_inputs(self, n: int) -> torch.Tensor:
         return torch.full((n,), self.num_classes, dtype=torch.long)
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        return {"y": self.num_classes}  # a label's "width": the class count the ids run over
+
     def forward(self, labels: Sequence[int] | torch.Tensor) -> torch.Tensor:
         labels = torch.as_tensor(labels, dtype=torch.long)
         if labels.numel() and (labels.min() < 0 or labels.max() > self.num_classes):
@@ -179,3 +194,62 @@ class ClassLabels(Embedder):
                 f"class), got {labels.min().item()}..{labels.max().item()}"
             )
         return labels  # (B,)
+
+
+# --- the conditioner and the backbone agree on widths -------------------------------------------
+# What each field is, for the error line.
+FIELD_MEANINGS = {"crossattn": "text tokens", "vector": "pooled vector", "y": "class labels"}
+
+
+def _named(field: str) -> str:
+    return f"{field} ({FIELD_MEANINGS.get(field, 'a conditioning field')})"
+
+
+def _amount(field: str, width: int) -> str:
+    return f"{width} classes" if field == "y" else f"{width} wide"
+
+
+def check_field_widths(conditioner: nn.Module, backbone: nn.Module) -> None:
+    """ValueError, one line, when the conditioner does not make each field the backbone reads at
+    the width it reads it (or more class ids than its table has, or a field it does not read):
+    checked when the model is built, from the parts' configs (nothing runs), instead of a shape
+    error at the first training step.
+
+    Both parts say their widths (`field_widths`); the backbone also names the config key that
+    sets each (`field_keys`), which the line starts with (the launcher finds its full path). A
+    part that does not say (a user's own class) is not checked."""
+    made = getattr(conditioner, "field_widths", None)
+    read = getattr(backbone, "field_widths", None)
+    if made is None or read is None:
+        return
+    maker = f"conditioner_config ({type(conditioner).__name__})"
+    reader = type(backbone).__name__
+    keys = getattr(backbone, "field_keys", {})
+    for field, want in read.items():  # first what the backbone cannot do without
+        have, key, what = made.get(field), keys.get(field, field), _named(field)
+        if have is None:
+            raise ValueError(
+                f"{key}={want}: {reader} reads {what}, which {maker} does not make (it makes "
+                f"{', '.join(made) or 'nothing'}); use a conditioner that makes {field}, or a "
+                "backbone that reads what this one makes"
+            )
+        # Class ids index the backbone's table: fewer classes fit (a 1000-class DiT tuned on
+        # a subset), more would index past it.
+        mismatched = have > want if field == "y" else have != want
+        if mismatched:
+            raise ValueError(
+                f"{key}={want}: {reader} reads {what} {_amount(field, want)}, but {maker} makes "
+                f"{_amount(field, have)}; set {key}: {have}, or configure the conditioner to "
+                f"make {_amount(field, want)}"
+            )
+    for field, have in made.items():  # then what would be dropped without a word
+        if field not in read:
+            fix = (
+                f"set the backbone's {keys[field]}: {have}"
+                if field in keys
+                else "use a backbone that reads it"
+            )
+            raise ValueError(
+                f"{maker} makes {_named(field)} {_amount(field, have)}, which {reader} does "
+                f"not read; {fix}, or use a conditioner without it"
+            )

@@ -87,6 +87,11 @@ class FluxConditioner(nn.Module):
     def train(self, mode: bool = True):
         return super().train(False)  # frozen encoders: no dropout layers active
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """T5's `d_model` (tokens) and CLIP-L's pooled width (`encode`)."""
+        return {"crossattn": self.t5xxl.width, "vector": self.clip_l.field_widths["vector"]}
+
     def lora_targets(self) -> list:
         """None: Flux LoRA files (kohya's, diffusers') hold the transformer's adapters only."""
         return []

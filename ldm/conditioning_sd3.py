@@ -105,8 +105,12 @@ class SD3CLIPEmbedder(FrozenCLIPEmbedder):
         return model_class.from_pretrained(version, local_files_only=True)
 
     @property
-    def width(self) -> int:
-        return self.transformer.config.hidden_size
+    def field_widths(self) -> dict[str, int]:
+        """Its tokens' width and its pooled output's: `projection_dim` when projected (bigG),
+        else `hidden_size` (CLIP-L)."""
+        config = self.transformer.config
+        pooled = config.projection_dim if self.projection else config.hidden_size
+        return {"crossattn": self.width, "vector": pooled}
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         if self.pad_with_zeros:
@@ -189,6 +193,13 @@ class SD3Conditioner(nn.Module):
                 f"conditioner_config.params: CLIP-L + bigG are {clip_width} wide, more than the "
                 f"token width {self.context_dim} (T5's d_model / context_dim) they are padded to"
             )
+
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """`joint_conditioning`'s widths: the token width the CLIP tokens are padded to (T5's),
+        and the two pooled vectors side by side."""
+        pooled = self.clip_l.field_widths["vector"] + self.clip_g.field_widths["vector"]
+        return {"crossattn": self.context_dim, "vector": pooled}
 
     def train(self, mode: bool = True):
         return super().train(False)  # frozen encoders: no dropout layers active

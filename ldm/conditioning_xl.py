@@ -42,6 +42,8 @@ class ConcatTimestepEmbedderND(nn.Module):
         outdim: channels per number (SDXL: 256).
     """
 
+    input_key = ""  # set by GeneralConditioner
+
     def __init__(self, outdim: int):
         super().__init__()
         self.outdim = outdim
@@ -50,6 +52,13 @@ class ConcatTimestepEmbedderND(nn.Module):
         b = x.shape[0]
         emb = timestep_embedding(x.reshape(-1), self.outdim)  # (B * N, outdim)
         return emb.reshape(b, -1)  # (B, N * outdim)
+
+    @property
+    def field_widths(self) -> dict[str, int]:
+        # SDXL's size and crop inputs are (height, width)-like pairs (`pairs`); sgm's other
+        # input of this kind, the refiner's aesthetic_score, is one number (B, 1).
+        numbers = 2 if self.input_key in SIZE_KEYS else 1
+        return {"vector": numbers * self.outdim}
 
     def lora_targets(self) -> list:
         return []  # no parameters
@@ -110,6 +119,15 @@ class GeneralConditioner(nn.Module):
         for embedder in self.embedders:  # a frozen embedder stays in eval mode
             embedder.train(mode and embedder.trainable)
         return self
+
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """The embedders' widths summed per field, as `combine` concatenates their outputs."""
+        widths: dict[str, int] = {}
+        for embedder in self.embedders:
+            for field, width in embedder.field_widths.items():
+                widths[field] = widths.get(field, 0) + width
+        return widths
 
     def lora_targets(self) -> list:
         """The text towers' (CLIP-L, OpenCLIP bigG), in embedder order: kohya's `lora_te1_` /

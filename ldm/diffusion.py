@@ -20,6 +20,7 @@ from ldm.adapters import FitEnd, training_mode
 from ldm.attention import preferring, sdpa_kernels
 from ldm.compat_api import CompVisAPI, named_conditioning
 from ldm.compile_options import compile_arguments
+from ldm.conditioning import check_field_widths
 from ldm.layout import original
 from ldm.model_contract import LatentModelContract
 from ldm.optim import build_optimizer, build_scheduler
@@ -198,6 +199,7 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
         self._modules[self._conditioner_name] = conditioner
         self.first_stage_model.requires_grad_(False)
         self._check_geometry(scale_factor)
+        check_field_widths(conditioner, self.backbone)  # one line now, not a shape error at step 1
         # A backbone that also outputs its variance (DiT's learn_sigma) has its own objective.
         self.objective = objectives.for_backbone(objective, self.backbone)
         self.register_load_state_dict_pre_hook(checkpoint.load_state_dict_pre_hook)

@@ -175,7 +175,8 @@ class PatchTransformer(nn.Module):
     (checkpointed on request), unpatchify. Subclasses build `blocks` and `final_layer`.
 
     Geometry for `LatentDiffusion`: `in_channels`, `out_channels`, `size_multiple` (= patch
-    size), `image_size` (the latent side the position table was made for), `learn_sigma`.
+    size), `image_size` (the latent side the position table was made for), `learn_sigma`; and
+    `field_widths`, the width of each conditioning field a subclass reads.
     """
 
     def __init__(
@@ -289,6 +290,9 @@ class DiT(PatchTransformer):
         use_checkpoint: gradient checkpointing of every block while training.
     """
 
+    # The config key that sets each conditioning field's width (ldm.conditioning's check).
+    field_keys = {"y": "num_classes"}
+
     def __init__(
         self,
         input_size: int = 32,
@@ -306,6 +310,7 @@ class DiT(PatchTransformer):
             input_size, patch_size, in_channels, hidden_size, learn_sigma, use_checkpoint
         )
         self.num_classes = num_classes
+        self.field_widths = {"y": num_classes}  # what the conditioner must make (the class count)
         self.y_embedder = LabelEmbedder(num_classes, hidden_size)
         self.blocks = nn.ModuleList(
             DiTBlock(hidden_size, num_heads, mlp_ratio) for _ in range(depth)

@@ -83,6 +83,9 @@ class TextDiT(PatchTransformer):
         The others as `ldm.dit.DiT` (learn_sigma defaults to False here: eps only).
     """
 
+    # The config key that sets each conditioning field's width (ldm.conditioning's check).
+    field_keys = {"crossattn": "context_dim"}
+
     def __init__(
         self,
         context_dim: int,
@@ -99,6 +102,7 @@ class TextDiT(PatchTransformer):
         super().__init__(
             input_size, patch_size, in_channels, hidden_size, learn_sigma, use_checkpoint
         )
+        self.field_widths = {"crossattn": context_dim}  # the text tokens it projects
         self.y_embedder = Mlp(context_dim, hidden_size, hidden_size)
         self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
         self.blocks = nn.ModuleList(

@@ -304,6 +304,9 @@ class Flux(nn.Module):
         use_checkpoint: gradient checkpointing of every block while training.
     """
 
+    # The config key that sets each conditioning field's width (ldm.conditioning's check).
+    field_keys = {"crossattn": "context_dim", "vector": "pooled_dim"}
+
     def __init__(
         self,
         depth: int = 19,
@@ -350,6 +353,7 @@ class Flux(nn.Module):
 
         self.img_in = nn.Linear(in_channels * self.patch_size**2, hidden_size)
         self.time_in = MLPEmbedder(FREQUENCY_EMBEDDING_SIZE, hidden_size)
+        self.field_widths = {"crossattn": context_dim, "vector": pooled_dim}
         self.vector_in = MLPEmbedder(pooled_dim, hidden_size)
         self.guidance_in = (
             MLPEmbedder(FREQUENCY_EMBEDDING_SIZE, hidden_size) if guidance_embed else None

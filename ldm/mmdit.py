@@ -277,6 +277,9 @@ class MMDiT(nn.Module):
         use_checkpoint: gradient checkpointing of every joint block while training.
     """
 
+    # The config key that sets each conditioning field's width (ldm.conditioning's check).
+    field_keys = {"crossattn": "context_dim", "vector": "pooled_dim"}
+
     def __init__(
         self,
         depth: int = 24,
@@ -324,6 +327,7 @@ class MMDiT(nn.Module):
 
         self.x_embedder = PatchEmbed(patch_size, in_channels, hidden_size)
         self.t_embedder = TimestepEmbedder(hidden_size)
+        self.field_widths = {"crossattn": context_dim, "vector": pooled_dim}
         self.y_embedder = VectorEmbedder(pooled_dim, hidden_size)
         self.context_embedder = nn.Linear(context_dim, hidden_size)
         # A buffer, as in mmditx.py: fixed, but saved in (and loaded from) the checkpoint.

@@ -263,6 +263,11 @@ class FrozenCLIPEmbedder(TextEmbedder):
             )
         return CLIPTextModel.from_pretrained(version, local_files_only=True)
 
+    @property
+    def width(self) -> int:
+        """The features' width (`hidden_size`: 768 for ViT-L/14), every `layer` alike."""
+        return self.transformer.config.hidden_size
+
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         """(B, max_length) ids: <sot> tokens <eot>, padded with <eot> (49407), as the original."""
         batch = self.tokenizer(
@@ -446,6 +451,11 @@ class FrozenOpenCLIPEmbedder(TextEmbedder):
         self.layer = layer
         if freeze:
             self.freeze()
+
+    @property
+    def width(self) -> int:
+        """The features' width (the arch's `width`: 1024 for ViT-H-14)."""
+        return self.model.token_embedding.embedding_dim
 
     def tokenize(self, texts: list[str]) -> torch.Tensor:
         """(B, max_length) ids as open_clip.tokenize: <sot> tokens <eot> 0 0 ..."""

@@ -38,6 +38,13 @@ class FrozenOpenCLIPEmbedder2(FrozenOpenCLIPEmbedder):
             raise ValueError("always_return_pooled needs legacy: false (sgm's rule)")
         self.always_return_pooled, self.legacy = always_return_pooled, legacy
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """The features' width, and with the pooled output its `embed_dim` (`vector`)."""
+        if not self.always_return_pooled:
+            return super().field_widths
+        return {"crossattn": self.width, "vector": self.model.text_projection.shape[1]}
+
     def encode_with_transformer(self, tokens: torch.Tensor):
         if self.legacy:
             return super().encode_with_transformer(tokens)

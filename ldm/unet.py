@@ -15,8 +15,9 @@ size/crop embeddings, 2816 channels) added to the timestep embedding through `la
     unet = UNet(replace(SD2, image_size=96))               # a preset's layout, changed
     unet = UNetModel(**config.model.params.unet_config.params)   # an original config
 
-What a UNet needs from its conditioner it says itself: `vector_dim` (the `vector` field's width,
-None without one) and `label_field`.
+What a UNet needs from its conditioner it says itself: `field_widths` (the width of each field
+it reads: `crossattn` context_dim, `vector` adm_in_channels, `y` num_classes), `vector_dim` (the
+`vector` field's width, None without one) and `label_field`.
 """
 
 import math
@@ -228,6 +229,14 @@ class UNetConfig:
         """The conditioning field label_emb reads: "vector" (SDXL), "y" (class ids) or None."""
         return "vector" if self.adm_in_channels else "y" if self.num_classes else None
 
+    @property
+    def field_widths(self) -> dict[str, int]:
+        """The width of each conditioning field it reads (for `y`, the class count)."""
+        widths = {"crossattn": self.context_dim, "vector": self.adm_in_channels}
+        widths["y"] = self.num_classes  # "sequential" (SDXL) reads `vector` instead
+        read = ("crossattn", self.label_field)  # no context_dim: no text context
+        return {f: w for f, w in widths.items() if f in read and w is not None}
+
     def heads(self, width: int) -> tuple[int, int]:
         """(heads, channels per head) of a `width`-channel transformer."""
         if self.num_head_channels == -1:
@@ -255,6 +264,9 @@ class UNet(nn.Module):
             extra forward pass for activation memory).
     """
 
+    # The config key that sets each conditioning field's width (ldm.conditioning's check).
+    field_keys = {"crossattn": "context_dim", "vector": "adm_in_channels", "y": "num_classes"}
+
     def __init__(
         self,
         config: UNetConfig,
@@ -271,6 +283,7 @@ class UNet(nn.Module):
         self._attention = {"backend": attention_backend, "upcast": upcast_attention}
         self.model_channels = config.model_channels
         self.label_field, self.vector_dim = config.label_field, config.vector_dim
+        self.field_widths = config.field_widths
         # Geometry LatentDiffusion asks for: channels in, the native latent size (for default
         # sample sizes), and the factor sides must divide by (one halving per level).
         self.in_channels, self.image_size = config.in_channels, config.image_size
