@@ -109,7 +109,13 @@ def test_latents_and_captions_through_the_contract(tiny):
 
 def test_class_count_of_a_class_model(tiny_config):
     classes = "{_replace_: true, target: ldm.conditioning.ClassLabels, params: {num_classes: 7}}"
-    model = build(tiny_config, f"model.params.cond_stage_config={classes}")
+    unet = "model.params.unet_config.params"
+    model = build(
+        tiny_config,
+        f"model.params.cond_stage_config={classes}",
+        f"{unet}.num_classes=7",  # a class UNet: labels in, no text context
+        f"{unet}.context_dim=null",
+    )
     assert model.class_count == 7
     assert model.caption_conditioning_frozen is False  # reads labels: nothing to cache
 
