@@ -231,10 +231,11 @@ def _run_folder(opt, cfg, dotlist: list[str], resume: str):
     resume, remote = resolve_resume(resume)  # s3://...: downloaded into a staging folder
     verb = "validating" if opt.validate_only else "resuming from"
     verb = verb if opt.train or opt.validate_only else "would resume from"
-    run_dir, ckpt_path = resume_target(resume, verb)
     from lun.strategies import check_checkpoint  # pickled code refused before Lightning loads
 
-    check_checkpoint(ckpt_path, unsafe=opt.unsafe_load)
+    run_dir, ckpt_path = resume_target(
+        resume, verb, check=lambda path: check_checkpoint(path, unsafe=opt.unsafe_load)
+    )
     if cfg is None:
         cfg = merge_configs(saved_configs(run_dir), dotlist)
     return cfg, run_dir, ckpt_path, remote

@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -105,12 +106,15 @@ def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:
     return RunDir(Path(logdir) / f"{timestamp}_{name}{postfix}")
 
 
-def resume_target(resume: str, verb: str = "resuming from") -> tuple[RunDir, Path]:
+def resume_target(
+    resume: str, verb: str = "resuming from", check: Callable[[Path], None] | None = None
+) -> tuple[RunDir, Path]:
     """`--resume` takes a run folder or a checkpoint inside one (a file, or the folder DeepSpeed
     and sharded FSDP write). From a run folder it takes the newest complete checkpoint in
     `checkpoints/` (highest step; the newest file on a tie), which is `on_exception.ckpt` after a
     crash or Ctrl-C later than the last periodic save, and still found if `last.ckpt` is not.
-    `verb` says what the launcher does with it ("validating" for --validate-only)."""
+    `verb` says what the launcher does with it ("validating" for --validate-only); `check`
+    refuses the file (code in its pickles) before it is named as the one resumed."""
     path = Path(resume)
     if not path.exists():
         raise ConfigError(f"--resume: '{resume}' does not exist")
@@ -123,6 +127,8 @@ def resume_target(resume: str, verb: str = "resuming from") -> tuple[RunDir, Pat
         root = path
         ckpt, step = newest_checkpoint(path / "checkpoints")
         found = f"step {step}, the newest complete checkpoint of the run"
+    if check is not None:
+        check(ckpt)
     if is_rank_zero():
         log.info(f"{verb} {ckpt} ({found})")
     return RunDir(root), ckpt

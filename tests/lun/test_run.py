@@ -82,6 +82,19 @@ def test_a_run_folder_resumes_from_its_newest_checkpoint_and_a_file_from_itself(
     assert f"resuming from {ckpt} (step 2)" in caplog.text
 
 
+def test_a_refused_file_is_not_named_as_resumed(tmp_path, caplog):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    save(checkpoints / "last.ckpt", 2)
+
+    def refuse(path):
+        raise ConfigError(f"{path}: refused")
+
+    caplog.set_level("INFO", logger="lun.run")
+    with pytest.raises(ConfigError, match="refused"):
+        resume_target(str(tmp_path / "run"), check=refuse)
+    assert "resuming from" not in caplog.text  # one line: the refusal
+
+
 def test_the_step_is_read_without_running_anything_in_the_file(tmp_path):
     sentinel = tmp_path / "ran"
 
