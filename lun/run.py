@@ -102,8 +102,22 @@ def referenced_values(cfg: DictConfig, sections: list[str]) -> DictConfig:
 
 
 def new_run_dir(logdir: str, name: str, postfix: str = "") -> RunDir:
-    timestamp = time.strftime("%Y-%m-%dT%H-%M-%S")
-    return RunDir(Path(logdir) / f"{timestamp}_{name}{postfix}")
+    """`LOGDIR/<time>_<name><postfix>`, refused in one line (before anything is made) when the
+    name would be a path (`-n a/b` made the folder `<time>_a` with a run in `b`) or `logdir`
+    (or a folder above it) is a file."""
+    folder = f"{time.strftime('%Y-%m-%dT%H-%M-%S')}_{name}{postfix}"
+    if Path(folder).name != folder:
+        raise ConfigError(
+            f"-n/--name, --postfix: '{name}{postfix}' holds a '/'; a run's name is one folder "
+            "name (its parent folder is -l/--logdir)"
+        )
+    existing = next((p for p in (Path(logdir), *Path(logdir).parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(
+            f"-l/--logdir: '{existing}' is a file; give a folder for the run folders (it is "
+            "made if missing)"
+        )
+    return RunDir(Path(logdir) / folder)
 
 
 def resume_target(

@@ -51,15 +51,16 @@ TRAINER_ARGS = set(TRAINER_PARAMETERS) - {"self"}
 BUILT_HERE = {"callbacks", "logger", "plugins", "default_root_dir"}
 # Counts Lightning checks only once `fit` runs (or first compares with `<`): the lowest value
 # allowed, and what -1 means where it is allowed. null is allowed where Trainer's type says so.
+# max_steps / max_epochs 0 are Lightning's "train nothing": a run folder and no step, silently.
 TRAINER_COUNTS = {
-    "max_steps": (-1, "no limit"),
-    "max_epochs": (-1, "no limit"),
+    "max_steps": (1, "no limit"),
+    "max_epochs": (1, "no limit"),
     "min_steps": (0, ""),
     "min_epochs": (0, ""),
     "accumulate_grad_batches": (1, ""),
     "num_nodes": (1, ""),
     "check_val_every_n_epoch": (1, ""),
-    "num_sanity_val_steps": (-1, "all batches"),
+    "num_sanity_val_steps": (0, "all batches"),
     "log_every_n_steps": (0, ""),
     "reload_dataloaders_every_n_epochs": (0, ""),
 }
@@ -147,7 +148,9 @@ def _check_trainer_values(kwargs: dict) -> None:
         nullable = type(None) in typing.get_args(TRAINER_PARAMETERS[name].annotation)
         if (value is None and nullable) or is_count(value, lowest):
             continue
-        allowed = [f"a whole number >= {max(lowest, 0)}"]
+        if minus_one and is_count(value, -1) and value == -1:
+            continue
+        allowed = [f"a whole number >= {lowest}"]
         allowed += [f"-1 for {minus_one}"] * bool(minus_one) + ["null"] * nullable
         allowed = ", ".join(allowed[:-1]) + " or " + allowed[-1] if len(allowed) > 1 else allowed[0]
         raise ConfigError(f"lightning.trainer.{name}={value!r}: expected {allowed}")

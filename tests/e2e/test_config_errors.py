@@ -25,7 +25,10 @@ UNET = "model.params.unet_config.params"
 
 # (case id, overrides after the tiny config, text the one error line must hold)
 CASES = [
-    ("max_steps=-5", ["lightning.trainer.max_steps=-5"], "lightning.trainer.max_steps=-5: expected a whole number >= 0 or -1"),
+    ("max_steps=-5", ["lightning.trainer.max_steps=-5"], "lightning.trainer.max_steps=-5: expected a whole number >= 1 or -1"),
+    ("max_steps=0", ["lightning.trainer.max_steps=0"], "lightning.trainer.max_steps=0: expected a whole number >= 1 or -1 for no limit"),
+    ("max_epochs=0", ["lightning.trainer.max_epochs=0"], "lightning.trainer.max_epochs=0: expected a whole number >= 1"),
+    ("name-a-path", ["-n", "a/b"], "-n/--name, --postfix: 'a/b' holds a '/'; a run's name is one folder name"),
     ("max_steps=abc", ["lightning.trainer.max_steps=abc"], "lightning.trainer.max_steps='abc': expected a whole number"),
     ("max_epochs=-3", ["lightning.trainer.max_epochs=-3"], "lightning.trainer.max_epochs=-3: expected"),
     ("accumulate=0", ["lightning.trainer.accumulate_grad_batches=0"], "lightning.trainer.accumulate_grad_batches=0: expected a whole number >= 1"),

@@ -18,6 +18,7 @@ from lun.config import ConfigError
 from lun.run import (
     checkpoint_step,
     hold_save_signal,
+    new_run_dir,
     newest_checkpoint,
     resume_target,
     take_held_save_signal,
@@ -80,6 +81,18 @@ def test_a_run_folder_resumes_from_its_newest_checkpoint_and_a_file_from_itself(
     run, ckpt = resume_target(str(checkpoints / "every-2-steps.ckpt"))  # chosen by hand
     assert (run.root, ckpt) == (tmp_path / "run", checkpoints / "every-2-steps.ckpt")
     assert f"resuming from {ckpt} (step 2)" in caplog.text
+
+
+def test_a_new_run_folder_is_one_folder_in_a_folder(tmp_path):
+    assert new_run_dir(str(tmp_path / "logs"), "ldm").root.parent == tmp_path / "logs"
+    (tmp_path / "file").write_text("notes")
+    for logdir in (tmp_path / "file", tmp_path / "file" / "logs"):
+        with pytest.raises(ConfigError, match=f"-l/--logdir: '{tmp_path / 'file'}' is a file"):
+            new_run_dir(str(logdir), "ldm")
+    for name, postfix in (("a/b", ""), ("ldm", "/x"), ("..", "/..")):
+        with pytest.raises(ConfigError, match="holds a '/'"):
+            new_run_dir(str(tmp_path / "logs"), name, postfix)
+    assert not (tmp_path / "logs").exists()  # refused before anything is made
 
 
 def test_a_refused_file_is_not_named_as_resumed(tmp_path, caplog):
