@@ -163,7 +163,9 @@ def newest_checkpoint(folder: Path) -> tuple[Path, int]:
             continue
         complete.append((step, candidate.stat().st_mtime, candidate.name, candidate))
     if not complete:
-        raise ConfigError(f"--resume: no complete checkpoint in '{folder}'")
+        runs = sorted(folder.parent.glob("*/checkpoints"), key=lambda p: p.stat().st_mtime)
+        hint = f"; it holds runs: resume one, e.g. {runs[-1].parent}" if runs else ""
+        raise ConfigError(f"--resume: no complete checkpoint in '{folder}'{hint}")
     step, _, _, newest = max(complete)
     return newest, step
 

@@ -70,6 +70,12 @@ def test_no_complete_checkpoint_is_a_config_error(tmp_path):
         resume_target(str(tmp_path / "run"))
 
 
+def test_the_folder_of_runs_given_for_a_run_names_one(tmp_path):
+    save(tmp_path / "logs" / "2026-01-01T00-00-00_ldm" / "checkpoints" / "last.ckpt", 2)
+    with pytest.raises(ConfigError, match="it holds runs: resume one, e.g. .*T00-00-00_ldm$"):
+        resume_target(str(tmp_path / "logs"))
+
+
 def test_a_run_folder_resumes_from_its_newest_checkpoint_and_a_file_from_itself(tmp_path, caplog):
     checkpoints = tmp_path / "run" / "checkpoints"
     save(checkpoints / "every-2-steps.ckpt", 2)
