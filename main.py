@@ -197,6 +197,8 @@ def resolve(opt: argparse.Namespace, dotlist: list[str]) -> Launch:
     if legacy and opt.resume:
         raise ConfigError("give --resume or lightning.trainer.resume_from_checkpoint, not both")
     resume = opt.resume or legacy or (opt.validate_only if opt.validate_only is not True else "")
+    if not opt.base and not resume and not dotlist:
+        raise ConfigError("nothing to run: give --base CONFIG.yaml or --resume RUN (see --help)")
     cfg, run_dir, ckpt_path, remote = _run_folder(opt, cfg, dotlist, resume)
     translate_command_line(cfg, opt.data_root, opt.gpus)
     for section in ("model", "data"):

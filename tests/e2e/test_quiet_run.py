@@ -122,6 +122,13 @@ def test_resume_with_no_step_left_is_one_line_and_leaves_the_run_untouched(tmp_p
     assert checked.returncode == 0, checked.stderr
 
 
+def test_nothing_given_says_what_to_give(tmp_path):
+    result = run_main_here(["-t"], cwd=tmp_path)
+    assert result.returncode == 2
+    assert "nothing to run: give --base CONFIG.yaml or --resume RUN" in result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
 def test_help_shows_resume_with_t():
     result = subprocess.run(
         [sys.executable, str(ROOT / "main.py"), "--help"], capture_output=True, text=True
