@@ -82,6 +82,13 @@ def test_released_and_diffusers_names():
     )
     keys = keys["keys"] if isinstance(keys, dict) else keys
     assert family.lora_family(keys) == family.SD1_OR_2
+    assert family.lora_mismatch(keys, family.SD2) is None  # SD 2.x's have the same names
+    # kohya's Flux files name CLIP-L lora_te1_, as SDXL's first text encoder: blocks decide
+    flux = [
+        "lora_te1_text_model_encoder_layers_0_mlp_fc1.alpha",
+        "lora_unet_single_blocks_0_linear1.alpha",
+    ]
+    assert family.lora_family(flux) == family.FLUX
     sdxl = "unet.down_blocks.2.attentions.0.transformer_blocks.9.attn1.to_q.lora_A.weight"
     assert family.lora_family([sdxl]) == family.SDXL
     assert family.lora_family(["lycoris_foo.hada_w1_a"]) is None
