@@ -113,3 +113,81 @@ def test_diffusers_builds_our_peft_config_from_the_file_and_gives_our_outputs(
     ours = outputs_of_ours(model, x, t, context)
     torch.testing.assert_close(theirs[0], ours[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(theirs[1], ours[1], rtol=0, atol=1e-4)
+
+
+FLUX = dict(depth=1, depth_single_blocks=1, hidden_size=48, num_heads=2, in_channels=16,
+            context_dim=48, pooled_dim=40, axes_dim=(4, 10, 10), guidance_embed=False)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_flux_file_with_our_metadata_loads_in_diffusers_and_merges_back(tmp_path):
+    """Flux.1 (`transformer.` component, q/k/v split, alpha 8 on rank 4): diffusers'
+    `load_lora_into_transformer` builds its config from our metadata and gives our output; our
+    own merge of the same file (metadata read) gives peft's merge."""
+    import copy
+    from pathlib import Path
+
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+    from flux_helpers import diffusers_forward, tiny_converter
+    from safetensors.torch import save_file
+
+    from ldm.util import instantiate_from_config
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[2] / "configs/sd3/tiny.yaml").model
+    cfg.params.backbone_config = {"target": "ldm.flux.Flux", "params": FLUX}
+    cfg.params.lora = {"rank": 4, "alpha": 8}
+    model = instantiate_from_config(cfg).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.backbone.named_parameters():
+            param.copy_(0.1 * torch.randn_like(param) + name.endswith(".scale"))
+    base = {
+        n.replace(".base_layer", ""): p.detach().clone()
+        for n, p in model.backbone.state_dict().items()
+        if "lora_" not in n
+    }
+    state = lora.diffusers_state_dict(model)
+    path = tmp_path / "flux.safetensors"
+    save_file(state, path, metadata=kohya.diffusers_metadata(state))
+
+    theirs = FluxTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=24,
+        num_attention_heads=2, joint_attention_dim=48, pooled_projection_dim=40,
+        guidance_embeds=False, axes_dims_rope=(4, 10, 10),
+    ).eval()  # fmt: skip
+    theirs.load_state_dict(tiny_converter(48)(base), strict=True)
+    loaded, metadata = FluxPipeline.lora_state_dict(str(path), return_lora_metadata=True)
+    assert metadata["transformer.lora_alpha"] == metadata["transformer.r"] == 4  # 8 / 4 is in B
+    FluxPipeline.load_lora_into_transformer(
+        loaded, network_alphas=None, transformer=theirs, metadata=metadata, adapter_name="ours"
+    )
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in state}
+    assert peft_layers(theirs, "ours") == dict.fromkeys(modules, (4, 1.0))
+    torch.manual_seed(3)
+    x, context, pooled = torch.randn(2, 16, 8, 12), torch.randn(2, 6, 48), torch.randn(2, 40)
+    t = torch.tensor([300.0, 800.0])
+    with torch.no_grad():
+        adapted = diffusers_forward(theirs, x, t, context, pooled)
+        mine = model.backbone(x, t, {"crossattn": context, "vector": pooled})
+    assert (adapted - diffusers_forward_base(theirs, x, t, context, pooled)).abs().max() > 1e-3
+    torch.testing.assert_close(
+        FluxPipeline._pack_latents(mine, *x.shape), adapted, rtol=1e-4, atol=1e-5
+    )
+
+    merged, plain = copy.deepcopy(model), copy.deepcopy(model)
+    lora.merge_adapters(merged)
+    lora._unload(plain)
+    with safe_open(str(path), framework="pt") as f:
+        assert lora.merge_file(plain, state, metadata=f.metadata()) == 13
+    for k, v in merged.backbone.state_dict().items():
+        torch.testing.assert_close(plain.backbone.state_dict()[k], v, msg=k)
+
+
+def diffusers_forward_base(theirs, x, t, context, pooled):
+    from flux_helpers import diffusers_forward
+
+    theirs.disable_adapters()
+    try:
+        return diffusers_forward(theirs, x, t, context, pooled)
+    finally:
+        theirs.enable_adapters()
