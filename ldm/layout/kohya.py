@@ -336,7 +336,7 @@ def base_model_metadata(family: str | None, keys, parameterization: str = "eps")
             "stable-diffusion-v1",
             "512x512",
         )
-    return {
+    meta = {
         "ss_base_model_version": version,
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
         "modelspec.architecture": architecture + "/lora",
@@ -344,3 +344,9 @@ def base_model_metadata(family: str | None, keys, parameterization: str = "eps")
         "modelspec.title": "LoRA",
         "modelspec.resolution": resolution,
     }
+    # kohya's build_metadata_dataclass writes "v" or "epsilon"; only for the UNet families here,
+    # where it is the model's own parameterization (SD 3 / Flux are rectified flow: neither)
+    prediction = {"eps": "epsilon", "v": "v"}.get(parameterization)
+    if family not in (families.SD3, families.FLUX) and prediction:
+        meta["modelspec.prediction_type"] = prediction
+    return meta

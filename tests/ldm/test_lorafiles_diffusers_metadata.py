@@ -191,3 +191,18 @@ def diffusers_forward_base(theirs, x, t, context, pooled):
         return diffusers_forward(theirs, x, t, context, pooled)
     finally:
         theirs.enable_adapters()
+
+
+@pytest.mark.parametrize(
+    "fam, parameterization, prediction",
+    [
+        ("SD 1.x", "eps", "epsilon"),
+        ("SD 2.x", "v", "v"),
+        ("SDXL", "eps", "epsilon"),
+        ("SD 3", "eps", None),
+    ],
+)
+def test_kohya_metadata_names_the_prediction_type_as_kohya_does(fam, parameterization, prediction):
+    """modelspec.prediction_type (kohya's sai_model_spec: "epsilon" / "v"), none for SD 3 / Flux."""
+    meta = kohya.base_model_metadata(fam, [], parameterization)
+    assert meta.get("modelspec.prediction_type") == prediction
