@@ -30,7 +30,8 @@ def check_lora_files(files: list[tuple[Path, float]]) -> None:
 
 def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -> None:
     """LoRA files name the UNet's and text encoders' layers, or SD 3's / Flux's blocks (kohya /
-    diffusers): other backbones (DiT) have none of them."""
+    diffusers): other backbones (DiT) have none of them, and each file's names are those of
+    this model's family (`ldm.layout.family.lora_mismatch`)."""
     found = family.model_family(model)
     if files and found not in (family.SD1, family.SD2, family.SDXL, family.SD3, family.FLUX):
         raise checkpoint.WrongFileError(
@@ -39,6 +40,10 @@ def check_lora_target(model: torch.nn.Module, files: list[tuple[Path, float]]) -
             f"model is {family.a(found) if found else 'another architecture'}, which has no "
             "layers of those names"
         )
+    for path, _ in files:  # a LoRA for another family: before anything merges
+        mismatch = family.lora_mismatch(family.file_keys(path), found)
+        if mismatch:
+            raise checkpoint.WrongFileError(f"--lora {path}: {mismatch}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,7 @@ def export(args) -> None:
         metadata = kohya.kohya_metadata(model.lora_settings, base["ss_base_model_version"]) | base
     else:
         state = {k: v.to(dtype or v.dtype) for k, v in lora.diffusers_state_dict(model).items()}
-        metadata = {"format": "pt"}
+        metadata = kohya.diffusers_metadata(state)  # the peft config diffusers builds from it
     with writing(args.out):
         checkpoint.save_safetensors(state, args.out, metadata=metadata)
     print(f"wrote {args.out} ({len(state)} tensors, {args.format} format)")

@@ -87,6 +87,46 @@ def model_family(source) -> str | None:
     return None
 
 
+# --- which model a LoRA file is for, from its layer names (a LoRA file has no base weights) -------
+SD1_OR_2 = "SD 1.x/2.x"  # same layer names (kohya names SD 2.x's OpenCLIP by HF CLIP's)
+SD3_OR_FLUX = "SD 3 or Flux.1"  # diffusers' names of double blocks alone: both have them
+_LORA_FAMILIES = (  # first match wins: Flux's / SD 3's kohya files have lora_te1_ too
+    # kohya-ss (flux_train_network / sd3_train_network: their own block names under lora_unet_)
+    (FLUX, re.compile(r"^lora_unet_(double|single)_blocks_")),
+    (SD3, re.compile(r"^lora_unet_joint_blocks_")),
+    # diffusers' transformer: Flux's single blocks, SD 3.5 Medium's second attention (MMDiT-X)
+    (FLUX, re.compile(r"^transformer\.single_transformer_blocks\.")),
+    (SD3, re.compile(r"^transformer\.transformer_blocks\.\d+\.attn2\.")),
+    (SD3_OR_FLUX, re.compile(r"^transformer\.transformer_blocks\.")),
+    # SDXL: kohya's sgm names, its two text encoders, or - diffusers' names, in kohya form or not
+    # - a second transformer block in an attention (SDXL has 2 or 10, SD 1.x/2.x one)
+    (SDXL, re.compile(r"^lora_unet_(input_blocks|middle_block|output_blocks)_|^lora_te[12]_")),
+    (SDXL, re.compile(r"^text_encoder_2\.|transformer_blocks[._][1-9]")),
+    (SD1_OR_2, re.compile(r"^lora_unet_|^lora_te_|^unet\.|^text_encoder\.")),
+)
+
+
+def lora_family(keys: Iterable[str]) -> str | None:
+    """The model family a LoRA file's layers are named for (FLUX, SD3, SD3_OR_FLUX, SDXL,
+    SD1_OR_2), or None when its names are none of these (LyCORIS' own, a bare peft file)."""
+    keys = list(keys)
+    for found, pattern in _LORA_FAMILIES:
+        if any(pattern.search(k) for k in keys):
+            return found
+    return None
+
+
+def lora_mismatch(lora_keys: Iterable[str], model: str | None) -> str | None:
+    """'a Flux.1 LoRA; this model is SD 1.x' when a LoRA file with `lora_keys` is named for
+    another family than `model` (`model_family` of the model it would merge into), else None.
+    Unknown on either side is left to the merge, which names the layers it lacks."""
+    lora = lora_family(lora_keys)
+    fits = {SD1_OR_2: (SD1, SD2), SD3_OR_FLUX: (SD3, FLUX)}.get(lora, (lora,))
+    if lora is None or model is None or model in fits:
+        return None
+    return f"{a(lora)} LoRA; this model is {model}"
+
+
 def is_sdxl(source) -> bool:
     """Whether `source` is SDXL - the one SDXL test: loaders, scripts, the config translation
     and the LoRA file names all ask it. `source` is what they hold:
@@ -180,16 +220,14 @@ def file_keys(path: str | Path, unsafe: bool = False) -> list[str]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    from ldm.safe_load import check_readable, load_file_state
+
     if path.suffix == ".safetensors":
-        from safetensors import SafetensorError, safe_open
+        from safetensors import safe_open
 
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                return list(f.keys())
-        except SafetensorError as err:
-            raise ValueError(f"{path}: not a readable .safetensors file ({err})") from None
-    from ldm.safe_load import load_file_state
-
+        check_readable(path)  # empty or damaged: the line loading the file would say
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
     return file_state_keys(load_file_state(path, unsafe=unsafe, mmap=True))
 
 

@@ -164,8 +164,60 @@ def kohya_name(key: str, res_blocks: int, sdxl: bool = False) -> str:
 DIFFUSERS_KEY = re.compile(r"([^.]+)\.(.+)\.(lora_A|lora_B|lora_magnitude_vector)(?:\.weight)?")
 
 
+LORA_ADAPTER_METADATA = "lora_adapter_metadata"  # diffusers' safetensors key (lora_base.py)
+
+
 def is_diffusers_format(state) -> bool:
     return any(DIFFUSERS_KEY.fullmatch(k) for k in state)
+
+
+def diffusers_metadata(state) -> dict[str, str]:
+    """The safetensors metadata of a diffusers-format LoRA file, as diffusers writes it
+    (lora_base.py `_save_lora_weights` / `write_lora_layers`): `format: pt` and, under
+    `lora_adapter_metadata`, each component's peft `LoraConfig.to_dict()` with its fields
+    prefixed `unet.` / `text_encoder.` / `text_encoder_2.` / `transformer.`, JSON with sorted
+    keys. diffusers' `load_lora_weights` then builds `LoraConfig(**fields)` from it instead of
+    inferring one from the tensors (peft_utils.py `_create_lora_config`).
+
+    Read from the file's own tensors, so it is exact for the file: every layer's rank (the
+    most common one as `r`, the others - LoCon's `conv_rank` - in `rank_pattern`), DoRA (a
+    `lora_magnitude_vector`) and the target modules. Our files hold alpha / rank in lora_B
+    (readers without this metadata, ComfyUI, older diffusers, get the same update), so each
+    layer's alpha is its rank: `lora_alpha = r`, `alpha_pattern = rank_pattern`. Text-encoder
+    modules are named without CLIPTextModel's `text_model.` level: peft matches the end of a
+    name, so they fit transformers 4 (with it) and 5 (without)."""
+    from collections import Counter
+
+    from peft import LoraConfig
+
+    ranks, dora = {}, set()
+    for key, value in state.items():
+        found = DIFFUSERS_KEY.fullmatch(key)
+        if found is None:
+            continue
+        component, path, part = found.groups()
+        if component.startswith("text_encoder"):
+            path = path.removeprefix(CLIP_LEVEL)
+        if part == "lora_A":
+            ranks.setdefault(component, {})[path] = value.shape[0]
+        elif part == "lora_magnitude_vector":
+            dora.add(component)
+    fields = {}
+    for component, layers in ranks.items():
+        r = Counter(layers.values()).most_common(1)[0][0]
+        pattern = {path: rank for path, rank in sorted(layers.items()) if rank != r}
+        config = LoraConfig(
+            r=r,
+            lora_alpha=r,
+            rank_pattern=pattern,
+            alpha_pattern=dict(pattern),
+            target_modules=sorted(layers),
+            use_dora=component in dora,
+        ).to_dict()
+        # diffusers' rule: sets as lists (target_modules is one in peft's config)
+        config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+        fields.update({f"{component}.{k}": v for k, v in config.items()})
+    return {"format": "pt", LORA_ADAPTER_METADATA: json.dumps(fields, indent=2, sort_keys=True)}
 
 
 def _diffusers_alpha(config: dict, component: str, path: str, rank: int) -> float:
@@ -183,7 +235,7 @@ def from_diffusers(state, metadata: dict | None = None, sdxl: bool = False) -> t
     sdxl: the file is for SDXL (components unet, text_encoder, text_encoder_2)."""
     import torch
 
-    config = json.loads((metadata or {}).get("lora_adapter_metadata") or "{}")
+    config = json.loads((metadata or {}).get(LORA_ADAPTER_METADATA) or "{}")
     kohya, magnitudes = {}, {}
     for key, value in state.items():
         found = DIFFUSERS_KEY.fullmatch(key)
@@ -284,7 +336,7 @@ def base_model_metadata(family: str | None, keys, parameterization: str = "eps")
             "stable-diffusion-v1",
             "512x512",
         )
-    return {
+    meta = {
         "ss_base_model_version": version,
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
         "modelspec.architecture": architecture + "/lora",
@@ -292,3 +344,9 @@ def base_model_metadata(family: str | None, keys, parameterization: str = "eps")
         "modelspec.title": "LoRA",
         "modelspec.resolution": resolution,
     }
+    # kohya's build_metadata_dataclass writes "v" or "epsilon"; only for the UNet families here,
+    # where it is the model's own parameterization (SD 3 / Flux are rectified flow: neither)
+    prediction = {"eps": "epsilon", "v": "v"}.get(parameterization)
+    if family not in (families.SD3, families.FLUX) and prediction:
+        meta["modelspec.prediction_type"] = prediction
+    return meta
