@@ -1,0 +1,163 @@
+"""Training options do what docs/configs.md says, checked against references we did not write:
+diffusers' `compute_snr` and the min-SNR weighting of its training scripts, diffusers'
+`get_scheduler` and torch's `CosineAnnealingLR` for the LR schedules, and counts of what the
+conditioner is handed for caption dropout (`ucg_rate`)."""
+
+import math
+
+import pytest
+import torch
+from diffusers import DDPMScheduler
+from diffusers.optimization import get_scheduler
+from diffusers.training_utils import compute_snr
+
+from ldm import objectives
+from ldm.conditioning import ClassLabels
+from ldm.optim import WarmupScheduler
+from ldm.util import instantiate_from_config
+from lun.config import merge_configs, to_container
+
+
+def tiny_model(tiny_config, *dotlist):
+    torch.manual_seed(0)
+    config = to_container(merge_configs([tiny_config], [f"model.params.{d}" for d in dotlist]))
+    return instantiate_from_config(config["model"])
+
+
+# --- min-SNR-gamma (Hang et al. 2023) against diffusers -----------------------------------------
+
+
+@pytest.mark.parametrize("name", ["eps", "v"])
+@pytest.mark.parametrize("gamma", [1.0, 5.0])
+def test_min_snr_weights_equal_diffusers_training_scripts(name, gamma):
+    """diffusers' examples/text_to_image/train_text_to_image.py: min(SNR, gamma) / SNR for eps,
+    min(SNR, gamma) / (SNR + 1) for v, with SNR from `training_utils.compute_snr`."""
+    scheduler = DDPMScheduler(
+        num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear"
+    )
+    t = torch.arange(0, 1000, 7)
+    snr = compute_snr(scheduler, t)
+    clipped = torch.stack([snr, gamma * torch.ones_like(snr)], dim=1).min(dim=1)[0]
+    expected = clipped / snr if name == "eps" else clipped / (snr + 1)
+
+    objective = objectives.build(name, {"min_snr_gamma": gamma})
+    ours = objective.weight(t, objective.schedule_buffers())
+    torch.testing.assert_close(ours, expected.float(), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("spelling", ["objective.min_snr_gamma=5.0", "min_snr_gamma=5.0"])
+def test_the_training_loss_is_weighted_by_min_snr(tiny_config, spelling):
+    """Both spellings of the config reach the loss `training_step` takes: per sample, the MSE
+    of the prediction times diffusers' weight."""
+    model = tiny_model(tiny_config, spelling).train()
+    batch = {"latent": torch.randn(3, 4, 8, 8), "caption": ["a", "b", "c"]}
+    t = torch.tensor([3, 400, 950])  # SNR above, near and below 5
+    noise = torch.randn(3, 4, 8, 8)
+    cond = model.conditioning(batch)
+    weighted = model.loss_at(batch["latent"], cond, t, noise, batch)
+
+    x_t = model.objective.noised(batch["latent"], noise, t, model.schedule)
+    with torch.no_grad():
+        mse = (model.apply_model(x_t, t, cond) - noise).pow(2).mean(dim=(1, 2, 3))
+    scheduler = DDPMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear")
+    snr = compute_snr(scheduler, t)
+    torch.testing.assert_close(weighted.detach(), mse * snr.clamp(max=5.0) / snr, rtol=1e-4, atol=0)
+
+
+# --- LR schedules: WarmupScheduler against diffusers' get_scheduler and torch --------------------
+
+
+def diffusers_multipliers(name: str, warmup: int, total: int, steps: int) -> list[float]:
+    """The multiplier diffusers' get_scheduler applies at each optimizer step 0..steps-1."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = get_scheduler(name, optimizer, num_warmup_steps=warmup, num_training_steps=total)
+    values = []
+    for _ in range(steps):
+        values.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return values
+
+
+@pytest.mark.parametrize(
+    "kind, diffusers_name",
+    [("cosine", "cosine"), ("linear", "linear"), ("constant", "constant_with_warmup")],
+)
+def test_warmup_scheduler_is_diffusers_shifted_by_one_warmup_step(kind, diffusers_name):
+    """docs/configs.md: step k < W gets (k + 1) / W (the first step lr / W, step W - 1 the full
+    lr: no step spent at lr 0); from step W to total_steps, diffusers' decay exactly; after it
+    the floor (diffusers' cosine would rise again)."""
+    warmup, total = 5, 25
+    ours = WarmupScheduler(kind, warmup_steps=warmup, total_steps=total)
+    theirs = diffusers_multipliers(diffusers_name, warmup, total, total + 3)
+    assert ours(0) == pytest.approx(1 / warmup) and ours(warmup - 1) == 1.0
+    for k in range(warmup):
+        assert ours(k) == pytest.approx(theirs[k + 1] if k + 1 < warmup else 1.0), k
+    for k in range(warmup, total + 1):
+        assert ours(k) == pytest.approx(theirs[k], abs=1e-12), k
+    assert ours(total + 2) == (1.0 if kind == "constant" else 0.0)
+
+
+def test_cosine_min_factor_is_torch_cosine_annealing_eta_min():
+    warmup, total, base, floor = 3, 23, 2.0, 0.1
+    ours = WarmupScheduler("cosine", warmup_steps=warmup, total_steps=total, min_factor=floor)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=base)
+    torch_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(
+        optimizer, T_max=total - warmup, eta_min=floor * base
+    )
+    for k in range(warmup, total + 1):
+        assert base * ours(k) == pytest.approx(optimizer.param_groups[0]["lr"], rel=1e-9), k
+        optimizer.step()
+        torch_scheduler.step()
+    assert ours(total + 50) == pytest.approx(floor)
+
+
+# --- caption / class dropout for classifier-free guidance (ucg_rate) ----------------------------
+
+
+def recording(embedder):
+    """Replace the embedder's forward by one that records its inputs and returns zeros."""
+    seen = []
+
+    def forward(inputs):
+        seen.extend(list(inputs))
+        return torch.zeros(len(inputs), 77, 32)
+
+    embedder.forward = forward
+    return seen
+
+
+def test_ucg_rate_half_empties_about_half_the_captions(tiny_config):
+    model = tiny_model(tiny_config, "cond_stage_config.params.ucg_rate=0.5").train()
+    seen = recording(model.conditioner)
+    captions = [f"caption {i}" for i in range(400)]
+    model.conditioning({"caption": captions}, torch.Generator().manual_seed(0), drop=True)
+    empty = sum(text == "" for text in seen)
+    assert len(seen) == 400 and abs(empty - 200) <= 4 * math.sqrt(400 * 0.25), empty
+    # The others are the captions themselves, in place.
+    assert all(text in ("", f"caption {i}") for i, text in enumerate(seen))
+
+
+def test_ucg_rate_applies_in_training_steps_only(tiny_config):
+    """`diffusion_loss` (what training_step calls) drops in train mode, never in eval mode."""
+    model = tiny_model(tiny_config, "ucg_rate=1.0")  # the original flat spelling
+    seen = recording(model.conditioner)
+    batch = {"latent": torch.randn(2, 4, 8, 8), "caption": ["a cat", "a dog"]}
+    model.train().diffusion_loss(batch)
+    assert seen == ["", ""]
+    seen.clear()
+    with torch.no_grad():
+        model.eval().diffusion_loss(batch)
+    assert seen == ["a cat", "a dog"]
+
+
+def test_class_dropout_gives_the_null_class_at_the_rate():
+    labels = ClassLabels(num_classes=10, ucg_rate=0.25)
+    seen = []
+    labels.forward = lambda inputs: seen.append(inputs.clone()) or torch.zeros(len(inputs), 8)
+    inputs = torch.arange(1000) % 10
+    labels.condition({"label": inputs}, torch.Generator().manual_seed(1), drop=True)
+    null = (seen[0] == 10).sum().item()  # the extra row of the table
+    assert abs(null - 250) <= 4 * math.sqrt(1000 * 0.25 * 0.75), null
+    kept = seen[0] != 10
+    assert torch.equal(seen[0][kept], inputs[kept])
