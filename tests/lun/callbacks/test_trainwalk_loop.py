@@ -11,6 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from callback_testing import TinyDiffusion
+from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 from trainer_helpers import quiet_trainer
 
@@ -91,16 +92,58 @@ def fit(model, batch_size, steps, callbacks=(), **kwargs):
     return trainer
 
 
+class Metrics(Logger):
+    """Keeps what the trainer logs: {step: {name: value}}."""
+
+    name, version = "metrics", 0
+
+    def __init__(self):
+        super().__init__()
+        self.by_step = {}
+
+    def log_metrics(self, metrics, step=None):
+        self.by_step.setdefault(step, {}).update(metrics)
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
 def test_accumulating_n_batches_is_one_n_times_batch():
-    """accumulate_grad_batches=2 with batch 2 takes the same optimizer steps as batch 4."""
+    """accumulate_grad_batches=2 with batch 2 takes the same optimizer steps as batch 4, and logs
+    the same train/loss (the loss of all 4 samples, not of the last micro-batch)."""
     start = weights(tiny_sgd())
     big, small = tiny_sgd(), tiny_sgd()
-    fit(big, batch_size=4, steps=2)
-    fit(small, batch_size=2, steps=2, accumulate_grad_batches=2)
+    big_log, small_log = Metrics(), Metrics()
+    fit(big, batch_size=4, steps=2, logger=big_log, log_every_n_steps=1)
+    fit(
+        small,
+        batch_size=2,
+        steps=2,
+        accumulate_grad_batches=2,
+        logger=small_log,
+        log_every_n_steps=1,
+    )
     after_big, after_small = weights(big), weights(small)
     assert any(not torch.equal(after_big[n], start[n]) for n in start)  # it trained
     for name in start:
         torch.testing.assert_close(after_small[name], after_big[name], rtol=1e-4, atol=1e-6)
+    for step in (0, 1):
+        assert small_log.by_step[step]["train/loss"] == pytest.approx(
+            big_log.by_step[step]["train/loss"], rel=1e-5
+        )
+
+
+def test_log_every_n_steps_counts_optimizer_steps():
+    metrics = Metrics()
+    fit(
+        tiny_sgd(),
+        batch_size=2,
+        steps=6,
+        accumulate_grad_batches=2,
+        logger=metrics,
+        log_every_n_steps=3,
+    )
+    assert sorted(s for s, m in metrics.by_step.items() if "train/loss" in m) == [2, 5]
 
 
 def test_gradient_clip_val_scales_the_whole_gradient_to_the_norm():
