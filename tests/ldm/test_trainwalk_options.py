@@ -161,3 +161,39 @@ def test_class_dropout_gives_the_null_class_at_the_rate():
     assert abs(null - 250) <= 4 * math.sqrt(1000 * 0.25 * 0.75), null
     kept = seen[0] != 10
     assert torch.equal(seen[0][kept], inputs[kept])
+
+
+# --- offset noise and the flow's time sampling, as the built model draws them -------------------
+
+
+@pytest.mark.parametrize("spelling", ["objective.offset_noise", "offset_noise"])
+def test_offset_noise_shifts_each_channels_mean_by_the_set_strength(tiny_config, spelling):
+    """Guttenberg 2023: noise + s * N(0, 1) per sample and channel, so a channel's spatial mean has
+    variance s^2 + 1 / (h w) instead of 1 / (h w); the pixels stay unit Gaussians around it."""
+    model = tiny_model(tiny_config, f"{spelling}=0.1")
+    z = torch.zeros(2000, 4, 16, 16)
+    noise = model.objective.draw_noise(z, torch.Generator().manual_seed(0))
+    means = noise.mean(dim=(2, 3))
+    assert means.var().item() == pytest.approx(0.1**2 + 1 / 256, rel=0.05)
+    assert (noise - means[..., None, None]).var().item() == pytest.approx(1 - 1 / 256, rel=0.01)
+    plain = tiny_model(tiny_config).objective.draw_noise(z, torch.Generator().manual_seed(0))
+    assert plain.mean(dim=(2, 3)).var().item() == pytest.approx(1 / 256, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    "schedule, median",
+    [
+        # logit-normal(m, s): the median of sigmoid(N(m, s)) is sigmoid(m) (eq. 19) ...
+        ({"logit_mean": 0.5}, 1 / (1 + math.exp(-0.5))),
+        # ... then shifted: t' = 3 t / (1 + 2 t) at t = 1/2 is 3/4 (sec. 5.3.2)
+        ({"shift": 3.0}, 0.75),
+        ({"timestep_sampling": "mode", "mode_scale": 1.29}, 0.5),
+    ],
+)
+def test_flow_config_times_have_the_papers_median(tiny_config, schedule, median):
+    """The config's `objective.schedule` keys reach the times training draws (backbone units:
+    t * 1000)."""
+    keys = [f"objective.schedule.{key}={value}" for key, value in schedule.items()]
+    model = tiny_model(tiny_config, "parameterization=flow", *keys)
+    t = model.objective.sample_t(20_000, torch.Generator().manual_seed(0)) / 1000
+    assert t.median().item() == pytest.approx(median, abs=0.01)
