@@ -262,3 +262,17 @@ def test_image_logger_samples_every_n_optimizer_steps_with_its_seed(tmp_path):
     assert {seed for _, seed, _ in calls} == {7} and calls[0][2] == ["a cat", "a cat"]
     written = sorted(f.split("_e-")[0] for f in os.listdir(tmp_path) if f.startswith("samples"))
     assert written == [f"samples_gs-{s:06d}" for s in (0, 2, 4, 6)]
+
+
+def test_save_every_n_samples_on_the_default_checkpoint_says_how(tmp_path):
+    """docs/configs.md: a samples cadence on the default `modelcheckpoint` needs its step cadence
+    set to null; the error says so, and with it the file is named by samples."""
+    run = RunDir(tmp_path / "run")
+    samples = {"save_every_n_samples": 1000}
+    with pytest.raises(Exception, match="every_n_train_steps: null"):
+        build_callbacks({"callbacks": {"modelcheckpoint": {"params": samples}}}, run, False, False)
+    params = {**samples, "every_n_train_steps": None}
+    callbacks = build_callbacks(
+        {"callbacks": {"modelcheckpoint": {"params": params}}}, run, False, False
+    )
+    assert "every-1k-samples" in [getattr(c, "filename", None) for c in callbacks]
