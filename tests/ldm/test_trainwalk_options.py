@@ -151,6 +151,20 @@ def test_ucg_rate_applies_in_training_steps_only(tiny_config):
     assert seen == ["a cat", "a dog"]
 
 
+def test_ucg_rate_drops_cached_text_outputs_too(tiny_config):
+    """Trained from a latent cache (scripts/cache_latents.py), the captions' encoder outputs come
+    with the batch: a dropped row is the empty caption's output instead."""
+    model = tiny_model(tiny_config, "cond_stage_config.params.ucg_rate=0.5").train()
+    seen = recording(model.conditioner)  # the null output: zeros
+    cached = torch.ones(400, 77, 32)
+    batch = {"caption": [f"c{i}" for i in range(400)], "context": {"crossattn": cached}}
+    out = model.conditioning(batch, torch.Generator().manual_seed(0), drop=True)["crossattn"]
+    nulled = (out == 0).flatten(1).all(dim=1)
+    assert ((out == 1).flatten(1).all(dim=1) | nulled).all()
+    assert abs(nulled.sum().item() - 200) <= 4 * math.sqrt(400 * 0.25), nulled.sum()
+    assert seen == [""]  # the null output, computed once
+
+
 def test_class_dropout_gives_the_null_class_at_the_rate():
     labels = ClassLabels(num_classes=10, ucg_rate=0.25)
     seen = []
