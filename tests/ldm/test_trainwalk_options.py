@@ -4,6 +4,7 @@ diffusers' `compute_snr` and the min-SNR weighting of its training scripts, diff
 conditioner is handed for caption dropout (`ucg_rate`)."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -242,3 +243,25 @@ def test_scale_lr_multiplies_accumulation_devices_nodes_and_batch():
     data = SimpleNamespace(batch_size=lambda split: 3)
     trainer = SimpleNamespace(accumulate_grad_batches=2, num_devices=4, num_nodes=5)
     assert scaled_learning_rate(1e-6, data, trainer) == pytest.approx(2 * 4 * 5 * 3 * 1e-6)
+
+
+def test_sdxl_caption_dropout_zeroes_both_text_encoders_together():
+    """docs/sdxl.md, ldm/conditioning_xl.py: the caption is dropped once per sample for both
+    text encoders (sgm: their outputs times 0), the size conditioning never."""
+    sdxl = Path(__file__).resolve().parents[2] / "configs" / "tiny" / "sdxl.yaml"
+    model = tiny_model(sdxl, "conditioner_config.params.ucg_rate=0.5").train()
+    n = 200
+    batch = {
+        "caption": [f"c{i}" for i in range(n)],
+        "original_size_as_tuple": torch.full((n, 2), 32),
+        "crop_coords_top_left": torch.zeros(n, 2, dtype=torch.long),
+        "target_size_as_tuple": torch.full((n, 2), 32),
+    }
+    with torch.no_grad():
+        cond = model.conditioning(batch, torch.Generator().manual_seed(0), drop=True)
+    clip_l, big_g = cond["crossattn"][..., :32], cond["crossattn"][..., 32:]
+    zero_l, zero_g = (clip_l == 0).flatten(1).all(1), (big_g == 0).flatten(1).all(1)
+    assert torch.equal(zero_l, zero_g)
+    assert abs(zero_l.sum().item() - n / 2) <= 4 * math.sqrt(n / 4), zero_l.sum()
+    sizes = cond["vector"][:, -3 * 8 :]  # the three size embeddings, after the pooled text
+    assert (sizes != 0).flatten(1).any(1).all()
