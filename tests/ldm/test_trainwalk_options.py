@@ -265,3 +265,29 @@ def test_sdxl_caption_dropout_zeroes_both_text_encoders_together():
     assert abs(zero_l.sum().item() - n / 2) <= 4 * math.sqrt(n / 4), zero_l.sum()
     sizes = cond["vector"][:, -3 * 8 :]  # the three size embeddings, after the pooled text
     assert (sizes != 0).flatten(1).any(1).all()
+
+
+def test_sd3_drops_each_encoder_independently_at_0_463(monkeypatch):
+    """docs/sd3.md, paper sec. 5.3.3: CLIP-L, bigG and T5 each dropped with probability 0.463,
+    independently, so all three together ~0.463^3 = 10 % of the time."""
+    import ldm.conditioning_sd3 as sd3
+
+    sd3_tiny = Path(__file__).resolve().parents[2] / "configs" / "sd3" / "tiny.yaml"
+    model = tiny_model(sd3_tiny).train()
+    masks, zero_rows = [], sd3.zero_rows
+
+    def recording_zero_rows(x, dropped):
+        masks.append(dropped)
+        return zero_rows(x, dropped)
+
+    monkeypatch.setattr(sd3, "zero_rows", recording_zero_rows)
+    n = 2000
+    with torch.no_grad():
+        cond = model.conditioning({"caption": ["c"] * n}, torch.Generator().manual_seed(0), True)
+    per_encoder = [masks[0], masks[2], masks[4]]  # clip_l (tokens, pooled), clip_g (...), t5
+    assert all(torch.equal(masks[i], masks[i + 1]) for i in (0, 2))  # one draw per encoder
+    for dropped in per_encoder:
+        assert abs(dropped.float().mean().item() - 0.463) < 0.04
+    all_three = (per_encoder[0] & per_encoder[1] & per_encoder[2]).float().mean().item()
+    assert abs(all_three - 0.463**3) < 0.025
+    assert ((cond["vector"] == 0).all(1) == (per_encoder[0] & per_encoder[1])).all()
