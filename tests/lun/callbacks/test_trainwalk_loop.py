@@ -276,3 +276,26 @@ def test_save_every_n_samples_on_the_default_checkpoint_says_how(tmp_path):
         {"callbacks": {"modelcheckpoint": {"params": params}}}, run, False, False
     )
     assert "every-1k-samples" in [getattr(c, "filename", None) for c in callbacks]
+
+
+def test_val_check_interval_counts_micro_batches():
+    """docs/validation.md: under accumulate_grad_batches 2, val_check_interval 2 validates after
+    every optimizer step (Lightning counts training batches)."""
+
+    class Validations(pl.Callback):
+        steps = []
+
+        def on_validation_epoch_start(self, trainer, pl_module):
+            self.steps.append(trainer.global_step)
+
+    seen = Validations()
+    torch.manual_seed(0)
+    quiet_trainer(
+        max_steps=3,
+        accumulate_grad_batches=2,
+        val_check_interval=2,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        callbacks=[seen],
+    ).fit(TinyDiffusion(), DataLoader(_Images(), batch_size=2), DataLoader(_Images(), batch_size=2))
+    assert seen.steps == [1, 2, 3]
