@@ -1,6 +1,7 @@
 """Training options through a real Lightning loop and the tiny LatentDiffusion: gradient
-accumulation, gradient clipping and the LR schedule per optimizer step; the launcher's checkpoint
-names and cadence when the user overrides it; the image logger's cadence and seed. References
+accumulation (update and logged loss), gradient clipping, the LR schedule and log cadence per
+optimizer step; the launcher's checkpoint names and cadences when the user overrides them; the
+image logger's cadence and seed; what val_check_interval counts. References
 are the formulas written here (torch's clip_grad_norm_ rule, the documented warm-up), never a
 second run of the code under test with the same settings."""
 
