@@ -86,7 +86,14 @@ def _has_fused_adamw(param: torch.Tensor) -> bool:
 
 
 class WarmupScheduler:
-    """LR multiplier: linear warm-up from 0, then constant, cosine or linear decay.
+    """LR multiplier: linear warm-up, then constant, cosine or linear decay.
+
+    At optimizer step k (from 0): (k + 1) / warmup_steps while k < warmup_steps - the first step
+    trains at lr / warmup_steps and the last warm-up step at the full lr, none at lr 0 (diffusers'
+    `get_scheduler` is one step behind in the warm-up) - then, with
+    p = min(1, (k - warmup_steps) / (total_steps - warmup_steps)), min_factor + (1 - min_factor)
+    times (1 + cos(pi p)) / 2 or (1 - p): diffusers' cosine / linear decay (torch's
+    CosineAnnealingLR with eta_min for min_factor), held at min_factor after total_steps.
 
     Args:
         kind: "constant", "cosine" or "linear" (the shape after warm-up).

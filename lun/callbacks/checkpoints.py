@@ -69,8 +69,12 @@ class Checkpoint(ModelCheckpoint):
                 if kwargs.get(k)
             ]
             if others:
+                # The default `modelcheckpoint` brings every_n_train_steps: 2000 into a user's
+                # partial override, so say how to drop it.
                 raise ValueError(
-                    f"save_every_n_samples cannot be combined with {', '.join(others)}"
+                    f"save_every_n_samples cannot be combined with {', '.join(others)}: "
+                    f"set {others[0]}: null beside it (the default modelcheckpoint has "
+                    "every_n_train_steps: 2000)"
                 )
             kwargs["every_n_epochs"] = 0  # ModelCheckpoint would otherwise default to every epoch
         if kwargs.get("filename") is None:
