@@ -258,6 +258,22 @@ def _checkpoint_params(key: str, cls: type, params: dict, run: RunDir) -> dict:
     return params
 
 
+# A checkpoint's save triggers, which ModelCheckpoint takes one at a time: one the user sets
+# replaces the default's (every 2000 steps), instead of being refused beside it.
+SAVE_TRIGGERS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
+SAVE_TRIGGERS += ("save_every_n_samples",)
+
+
+def _merged_override(default: dict, override: dict) -> dict:
+    """A default callback's config with the user's keys over it; a save trigger of the user's
+    (`every_n_epochs: 1`, `save_every_n_samples: 1000`) replaces the default's triggers."""
+    params = override.get("params") or {}
+    if any(key in params for key in SAVE_TRIGGERS):
+        kept = {k: v for k, v in (default.get("params") or {}).items() if k not in SAVE_TRIGGERS}
+        default = {**default, "params": kept}
+    return OmegaConf.to_container(OmegaConf.merge(default, override))
+
+
 def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_ema: bool) -> list:
     """Default callbacks merged with `lightning.callbacks` (same name overrides, null removes).
 
@@ -279,7 +295,7 @@ def build_callbacks(lightning_cfg: dict, run: RunDir, has_validation: bool, use_
         if "target" in cfg and cfg["target"] != configs.get(name, {}).get("target"):
             configs[name] = cfg  # another class: its own params only
         else:  # a partial override (e.g. only `params.every_n_train_steps`) keeps the rest
-            configs[name] = OmegaConf.to_container(OmegaConf.merge(configs.get(name, {}), cfg))
+            configs[name] = _merged_override(configs.get(name, {}), cfg)
     user_bars = [
         name
         for name, cfg in configs.items()

@@ -68,13 +68,10 @@ class Checkpoint(ModelCheckpoint):
                 for k in ("every_n_train_steps", "every_n_epochs", "train_time_interval")
                 if kwargs.get(k)
             ]
-            if others:
-                # The default `modelcheckpoint` brings every_n_train_steps: 2000 into a user's
-                # partial override, so say how to drop it.
+            if others:  # (an override of the default's cadence replaces it: lun.trainer)
                 raise ValueError(
                     f"save_every_n_samples cannot be combined with {', '.join(others)}: "
-                    f"set {others[0]}: null beside it (the default modelcheckpoint has "
-                    "every_n_train_steps: 2000)"
+                    "give one save cadence"
                 )
             kwargs["every_n_epochs"] = 0  # ModelCheckpoint would otherwise default to every epoch
         if kwargs.get("filename") is None:

@@ -265,18 +265,24 @@ def test_image_logger_samples_every_n_optimizer_steps_with_its_seed(tmp_path):
     assert written == [f"samples_gs-{s:06d}" for s in (0, 2, 4, 6)]
 
 
-def test_save_every_n_samples_on_the_default_checkpoint_says_how(tmp_path):
-    """docs/configs.md: a samples cadence on the default `modelcheckpoint` needs its step cadence
-    set to null; the error says so, and with it the file is named by samples."""
+def test_a_save_trigger_of_the_users_replaces_the_default_checkpoints(tmp_path):
+    """docs/configs.md: `save_every_n_samples` (or `every_n_epochs`) on the default
+    `modelcheckpoint` replaces its every-2000-steps cadence; both were refused together
+    ("cannot be combined with every_n_train_steps", a key the user never set)."""
     run = RunDir(tmp_path / "run")
-    samples = {"save_every_n_samples": 1000}
-    with pytest.raises(Exception, match="every_n_train_steps: null"):
-        build_callbacks({"callbacks": {"modelcheckpoint": {"params": samples}}}, run, False, False)
-    params = {**samples, "every_n_train_steps": None}
-    callbacks = build_callbacks(
-        {"callbacks": {"modelcheckpoint": {"params": params}}}, run, False, False
-    )
-    assert "every-1k-samples" in [getattr(c, "filename", None) for c in callbacks]
+
+    def checkpoint_with(params):
+        callbacks = build_callbacks(
+            {"callbacks": {"modelcheckpoint": {"params": params}}}, run, False, False
+        )
+        return [c for c in callbacks if getattr(c, "filename", "").startswith("every-")][0]
+
+    by_samples = checkpoint_with({"save_every_n_samples": 1000})
+    assert by_samples.filename == "every-1k-samples"
+    by_epochs = checkpoint_with({"every_n_epochs": 1})
+    assert (by_epochs._every_n_epochs, by_epochs._every_n_train_steps) == (1, 0)
+    assert checkpoint_with({})._every_n_train_steps == 2000  # untouched without a trigger
+    assert checkpoint_with({"save_last": False})._every_n_train_steps == 2000
 
 
 def test_val_check_interval_counts_micro_batches():
