@@ -58,8 +58,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         "--scale",
         type=finite_float,
         default=None,
-        help="classifier-free guidance scale; 1 runs no unconditional pass (default: 7.5; 1 for "
-        "Flux, which is guidance-distilled)",
+        help="classifier-free guidance scale; 1 runs no unconditional pass; Flux, which is "
+        "guidance-distilled, defaults to 1 (default: 7.5)",
     )
     parser.add_argument(
         "--guidance",
