@@ -460,9 +460,24 @@ def resolve_sampling(model, args) -> argparse.Namespace:
             raise ValueError(
                 "--karras and --eta are DDPM sampler options: leave them out for a flow model"
             )
+    elif args.steps > model.num_timesteps:  # a DDPM sampler visits distinct training steps
+        raise ValueError(
+            f"--steps {args.steps}: this model has {model.num_timesteps} training steps, the most "
+            "a sampler can visit"
+        )
     resolved.sampler = sampler
     if args.scale is None:
         resolved.scale = 1.0 if distilled_guidance(model) else DEFAULT_SCALE
+    if args.negative_prompt and model.class_count is not None:
+        raise ValueError(
+            "--negative-prompt: a class-conditional model guides against the null class; "
+            "leave it out (it was ignored, yet written to the PNG)"
+        )
+    if args.negative_prompt and resolved.scale == 1.0:
+        raise ValueError(
+            "--negative-prompt is used by classifier-free guidance, which --scale 1 does not run "
+            "(no unconditional pass): give --scale above 1, or leave the negative prompt out"
+        )
     if args.guidance is not None:
         if getattr(model.conditioner, "guidance", None) is None:
             raise ValueError(

@@ -27,6 +27,13 @@ from lun import cli
 from lun.config import merge_configs, to_container
 from lun.generation import open_init_image
 
+DIT_CLASSES = [  # the shapes DiT (18 classes, pixel space) at toy width
+    "model.params.backbone_config.params.hidden_size=32",
+    "model.params.backbone_config.params.depth=1",
+    "model.params.backbone_config.params.num_heads=2",
+    "lightning.trainer.max_steps=10",
+]
+
 
 def _save_model(folder, name, config, overrides=()):
     cfg = merge_configs([config], list(overrides))
@@ -52,6 +59,7 @@ def models(tmp_path_factory):
             folder, "sd3", "configs/sd3/tiny.yaml", ["model.params.schedule.shift=3.0"]
         ),
         "flux": _save_model(folder, "flux", "configs/flux/tiny.yaml", [t5]),
+        "class": _save_model(folder, "class", "configs/dit/shapes-dit.yaml", DIT_CLASSES),
     }
 
 
@@ -180,6 +188,8 @@ def test_prompts_file_skips_blank_lines(models, tmp_path):
         (["--W", "2"], "error: --W 2: must be a multiple of 4 for this model (e.g. 4)"),
         (["--device", "nosuch"], "error: --device nosuch: not a device name"),
         (["--guidance", "2"], "error: --guidance: this model takes no distilled guidance"),
+        (["--negative-prompt", "x", "--scale", "1"], "error: --negative-prompt is used by"),
+        (["--steps", "1001"], "error: --steps 1001: this model has 1000 training steps"),
     ],
 )
 def test_bad_values_are_one_line_naming_the_flag(models, tmp_path, capsys, flags, expected):
@@ -242,3 +252,18 @@ def test_init_image_transparency_is_white_and_16_bit_gray_is_scaled(tmp_path):
     assert np.asarray(open_init_image(tmp_path / "clear.png")).min() == 255
     assert np.unique(np.asarray(open_init_image(tmp_path / "gray16.png"))).tolist() == [128]
     assert np.unique(np.asarray(open_init_image(tmp_path / "gray8.png"))).tolist() == [90]
+
+
+# --- class-conditional DiT ----------------------------------------------------------------------
+def test_class_dit_guides_against_the_null_class(models, tmp_path, capsys, calls):
+    [png] = run(txt2img, models["class"], tmp_path, "--class", "3", "--steps", "2", "--scale", "4")
+    assert [batch for batch, _, _ in calls] == [2, 2]
+    found = parameters(png)
+    assert (found["Prompt"], found["Size-1"], found.get("Negative prompt", "")) == (
+        "class 3",
+        "16",
+        "",
+    )
+    argv = [*models["class"], "--outdir", str(tmp_path), "--class", "3", "--negative-prompt", "x"]
+    line = one_line_exit(capsys, txt2img.main, argv)
+    assert line.startswith("error: --negative-prompt: a class-conditional model guides against")
