@@ -499,7 +499,8 @@ def image_size(model, args, init_image: Image.Image | None) -> tuple[int, int]:
             lower = value - value % multiple
             nearest = " or ".join(str(n) for n in (lower, lower + multiple) if n > 0)
             raise ValueError(
-                f"{flag} {value}: must be a multiple of {multiple} for this model (e.g. {nearest})"
+                f"{flag} {value}: height and width must be multiples of {multiple} for this model "
+                f"(e.g. {nearest})"
             )
     if init_image is not None:
         default_width, default_height = (
@@ -540,7 +541,7 @@ def generate(
     sample_dir.mkdir(parents=True, exist_ok=True)
     count = next_free(sample_dir)
     autocast = (
-        torch.autocast(device.type, dtype=DTYPES[args.dtype])
+        torch.autocast(device.type, dtype=DTYPES[args.dtype or "bf16"])
         if args.precision == "autocast"
         else contextlib.nullcontext()
     )

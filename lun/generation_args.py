@@ -97,8 +97,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
-        default="bf16",
-        help="autocast dtype with --precision autocast",
+        default=None,
+        help="autocast dtype, with --precision autocast (default: bf16)",
     )
     parser.add_argument(
         "--ema",
@@ -128,3 +128,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         help="merge a LoRA / LoCon / DoRA file (kohya or diffusers format) at WEIGHT (default "
         "1) before sampling; repeatable",
     )
+
+
+def check_generation_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that only mean something together: `--dtype fp16` alone sampled in float32, silently."""
+    if args.dtype is not None and args.precision != "autocast":
+        parser.error(f"--dtype {args.dtype} applies with --precision autocast; give both")
+    args.dtype = args.dtype or "bf16"

@@ -7,7 +7,7 @@
 import argparse
 
 from lun.cli import HelpFormatter
-from lun.generation_args import add_generation_args
+from lun.generation_args import add_generation_args, check_generation_args
 
 
 def main(argv=None) -> None:
@@ -23,6 +23,7 @@ def main(argv=None) -> None:
     )
     parser.set_defaults(outdir="outputs/img2img-samples")
     args = parser.parse_args(argv)
+    check_generation_args(parser, args)
     if not 0.0 <= args.strength <= 1.0:
         parser.error("--strength must be in [0, 1]")
     from lun.generation import generate, one_line_errors, open_init_image  # torch: after parsing

@@ -115,6 +115,11 @@ def test_img2img_strength_out_of_range_is_one_line(capsys, strength):
     assert "--strength must be in [0, 1]" in one_line_exit(capsys, img2img.main, argv)
 
 
+def test_a_dtype_without_autocast_is_one_line(capsys):
+    line = one_line_exit(capsys, txt2img.main, ["--ckpt", "x.ckpt", "--dtype", "fp16"])
+    assert "--dtype fp16 applies with --precision autocast" in line
+
+
 def test_an_unknown_sampler_lists_the_valid_ones(capsys):
     line = one_line_exit(capsys, txt2img.main, ["--ckpt", "x.ckpt", "--sampler", "lms"])
     assert "--sampler: invalid choice: 'lms'" in line and "'dpmpp_2m'" in line
@@ -184,8 +189,14 @@ def test_prompts_file_skips_blank_lines(models, tmp_path):
 @pytest.mark.parametrize(
     ("flags", "expected"),
     [
-        (["--H", "30"], "error: --H 30: must be a multiple of 4 for this model (e.g. 28 or 32)"),
-        (["--W", "2"], "error: --W 2: must be a multiple of 4 for this model (e.g. 4)"),
+        (
+            ["--H", "30"],
+            "error: --H 30: height and width must be multiples of 4 for this model (e.g. 28 or 32)",
+        ),
+        (
+            ["--W", "2"],
+            "error: --W 2: height and width must be multiples of 4 for this model (e.g. 4)",
+        ),
         (["--device", "nosuch"], "error: --device nosuch: not a device name"),
         (["--guidance", "2"], "error: --guidance: this model takes no distilled guidance"),
         (["--negative-prompt", "x", "--scale", "1"], "error: --negative-prompt is used by"),
