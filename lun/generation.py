@@ -300,6 +300,10 @@ def check_conditioning(model: LatentModel, args) -> None:
         )
     if not classes and getattr(args, "classes", None):
         raise ValueError("--class: this model is text-conditional; give --prompt instead")
+    if classes and getattr(args, "from_file", None):
+        raise ValueError(
+            "--from-file: this model draws classes; give them as --class (it was ignored)"
+        )
 
 
 def class_names(args) -> list[str]:
@@ -501,6 +505,14 @@ def image_size(model, args, init_image: Image.Image | None) -> tuple[int, int]:
             raise ValueError(
                 f"{flag} {value}: height and width must be multiples of {multiple} for this model "
                 f"(e.g. {nearest})"
+            )
+    # A backbone with a fixed position table (MMDiT) takes latents up to a side.
+    largest = getattr(getattr(model, "backbone", None), "max_latent_side", None)
+    for flag, value in (("--H", args.H), ("--W", args.W)):
+        if largest is not None and value is not None and value > largest * model.downscale:
+            raise ValueError(
+                f"{flag} {value}: at most {largest * model.downscale} for this model (the size "
+                "its position table was made for)"
             )
     if init_image is not None:
         default_width, default_height = (

@@ -278,3 +278,12 @@ def test_class_dit_guides_against_the_null_class(models, tmp_path, capsys, calls
     argv = [*models["class"], "--outdir", str(tmp_path), "--class", "3", "--negative-prompt", "x"]
     line = one_line_exit(capsys, txt2img.main, argv)
     assert line.startswith("error: --negative-prompt: a class-conditional model guides against")
+    (tmp_path / "prompts.txt").write_text("a cat\n")
+    argv = [*models["class"], "--outdir", str(tmp_path), "--class", "3", "--from-file"]
+    line = one_line_exit(capsys, txt2img.main, [*argv, str(tmp_path / "prompts.txt")])
+    assert line.startswith("error: --from-file: this model draws classes")
+
+
+def test_sd3_size_above_its_position_table_names_the_flag(models, tmp_path, capsys):
+    argv = [*models["sd3"], "--outdir", str(tmp_path), "--W", "512"]
+    assert one_line_exit(capsys, txt2img.main, argv).startswith("error: --W 512: at most 64 ")
