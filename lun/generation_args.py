@@ -80,7 +80,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--W", type=positive_int, default=None, help="width in pixels (default: the model's)"
     )
-    parser.add_argument("--seed", type=seed, default=42, help="image i of the run uses seed + i")
+    parser.add_argument(
+        "--seed", type=seed, default=42, help="0 to 2**32 - 1; image i of the run uses seed + i"
+    )
     parser.add_argument(
         "--fixed-code", action="store_true", help="same starting noise in every iteration"
     )
