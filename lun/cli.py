@@ -56,6 +56,24 @@ def finite_float(text: str) -> float:
     return value
 
 
+SEED_LIMIT = 2**32  # A1111's and numpy's seeds are 32-bit; torch would take up to 2**64 - 1
+
+
+def seed(text: str) -> int:
+    """An argparse type for `--seed`: a whole number in [0, 2**32 - 1]. Without it -1 (A1111's
+    "random") silently seeded torch with -1, and 2**64 failed inside torch with "Overflow when
+    unpacking long long"; 32 bits keep every seed usable by numpy and in A1111's parameters."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text}") from None
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number in [0, {SEED_LIMIT - 1}], got {text}"
+        )
+    return value
+
+
 # --- paths a script writes, checked before anything slow (a model load, a whole evaluation) ---
 # One ValueError line naming the flag, which the scripts print with exit status 2; nothing is
 # made or written. Only pathlib here, so a script can check before importing torch.

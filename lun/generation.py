@@ -4,6 +4,7 @@ Each PNG carries its generation parameters in a `parameters` text chunk, in the 
 AUTOMATIC1111 writes (and ComfyUI / other viewers read).
 """
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,7 +20,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from PIL.PngImagePlugin import PngInfo
 
-from ldm import checkpoint
+from ldm import checkpoint, flow
 from ldm.layout import family
 from ldm.layout.diffusers import is_diffusers_folder
 from ldm.safe_load import check_readable
@@ -56,15 +57,16 @@ def one_line_errors():
     system's words and the path, exit status 1."""
     try:
         yield
+    except KeyError as err:  # str() of a KeyError is its repr: quoted
+        _fail(str(err).strip("'"), 2)
     except (
         FileNotFoundError,
         UnidentifiedImageError,
-        KeyError,
         ValueError,
         ImportError,
         pickle.UnpicklingError,  # ldm.safe_load.UnsafeCheckpointError
     ) as err:
-        _fail(str(err).strip("'"), 2)
+        _fail(str(err), 2)
     except OSError as err:
         _fail(f"{err.strerror or err} ({err.filename})" if err.filename else str(err), 1)
 
@@ -134,7 +136,9 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 
 def pick_device(name: str | None) -> torch.device:
-    """The asked device, else the first available of cuda (also ROCm), mps, cpu."""
+    """The asked device, else the first available of cuda (also ROCm), mps, cpu. A device that
+    torch does not know, or that this machine lacks, is one line naming `--device` (was torch's
+    RuntimeError / "Torch not compiled with CUDA enabled" traceback)."""
     if not name:
         name = (
             "cuda"
@@ -143,7 +147,20 @@ def pick_device(name: str | None) -> torch.device:
             if torch.backends.mps.is_available()
             else "cpu"
         )
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device name (cpu, cuda, cuda:1, mps)") from None
+    available = {
+        "cpu": lambda: True,
+        "cuda": lambda: (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()
+        ),
+        "mps": torch.backends.mps.is_available,
+    }.get(device.type, lambda: True)
+    if not available():
+        raise ValueError(f"--device {name}: this machine has no such device")
+    return device
 
 
 def find_config(ckpt: Path) -> list[Path]:
@@ -283,6 +300,10 @@ def check_conditioning(model: LatentModel, args) -> None:
         )
     if not classes and getattr(args, "classes", None):
         raise ValueError("--class: this model is text-conditional; give --prompt instead")
+    if classes and getattr(args, "from_file", None):
+        raise ValueError(
+            "--from-file: this model draws classes; give them as --class (it was ignored)"
+        )
 
 
 def class_names(args) -> list[str]:
@@ -409,36 +430,130 @@ def starting_noise(seeds: list[int], shape: tuple[int, ...], device: torch.devic
     )
 
 
+DEFAULT_SCALE = 7.5  # the original SD scripts' CFG scale
+GUIDANCE_FIELD = "Distilled CFG Scale"  # Forge's PNG field for Flux dev's embedded guidance
+
+
+def is_flow_model(model) -> bool:
+    return getattr(getattr(model, "objective", None), "name", None) == "flow"
+
+
+def distilled_guidance(model) -> bool:
+    """Flux (dev and schnell) was distilled not to need classifier-free guidance: its conditioner
+    has a `guidance` attribute (dev's embedded scale; None for schnell)."""
+    return hasattr(getattr(model, "conditioner", None), "guidance")
+
+
+def resolve_sampling(model, args) -> argparse.Namespace:
+    """`args` with the family's defaults filled in, as they are then used and written to the PNG:
+    the sampler (ddim, or euler for a flow model: "ddim" there is an alias of euler, so the
+    PNG said "DDIM" for an Euler run), the CFG scale (7.5, or 1 for Flux, which diffusers'
+    FluxPipeline and BFL sample without CFG: 7.5 ran a second, unconditional pass on top of the
+    distilled guidance), and Flux dev's embedded `--guidance` (set on the conditioner)."""
+    resolved = argparse.Namespace(**vars(args))
+    flow_model = is_flow_model(model)
+    sampler = args.sampler or ("euler" if flow_model else "ddim")
+    if flow_model:
+        sampler = flow.SAMPLER_ALIASES.get(sampler, sampler)
+        if sampler not in flow.FLOW_SAMPLERS:
+            raise ValueError(
+                f"--sampler {args.sampler}: a flow model (SD3, Flux) samples with "
+                f"{' or '.join(flow.FLOW_SAMPLERS)}"
+            )
+        if args.karras or args.eta:
+            raise ValueError(
+                "--karras and --eta are DDPM sampler options: leave them out for a flow model"
+            )
+    elif args.steps > model.num_timesteps:  # a DDPM sampler visits distinct training steps
+        raise ValueError(
+            f"--steps {args.steps}: this model has {model.num_timesteps} training steps, the most "
+            "a sampler can visit"
+        )
+    resolved.sampler = sampler
+    if args.scale is None:
+        resolved.scale = 1.0 if distilled_guidance(model) else DEFAULT_SCALE
+    if args.negative_prompt and model.class_count is not None:
+        raise ValueError(
+            "--negative-prompt: a class-conditional model guides against the null class; "
+            "leave it out (it was ignored, yet written to the PNG)"
+        )
+    if args.negative_prompt and resolved.scale == 1.0:
+        raise ValueError(
+            "--negative-prompt is used by classifier-free guidance, which --scale 1 does not run "
+            "(no unconditional pass): give --scale above 1, or leave the negative prompt out"
+        )
+    if args.guidance is not None:
+        if getattr(model.conditioner, "guidance", None) is None:
+            raise ValueError(
+                "--guidance: this model takes no distilled guidance (Flux dev does); use --scale "
+                "for classifier-free guidance"
+            )
+        model.conditioner.guidance = float(args.guidance)
+    resolved.guidance = getattr(getattr(model, "conditioner", None), "guidance", None)
+    return resolved
+
+
+def image_size(model, args, init_image: Image.Image | None) -> tuple[int, int]:
+    """(height, width) of the images to make: --H / --W, else the init image's size rounded down
+    to the model's multiple (its VAE's downscale times its patch size), else the model's own. A
+    flag not a multiple is one line naming it (was "height and width must be ...")."""
+    multiple = getattr(model, "size_multiple", 1)
+    for flag, value in (("--H", args.H), ("--W", args.W)):
+        if value is not None and value % multiple:
+            lower = value - value % multiple
+            nearest = " or ".join(str(n) for n in (lower, lower + multiple) if n > 0)
+            raise ValueError(
+                f"{flag} {value}: height and width must be multiples of {multiple} for this model "
+                f"(e.g. {nearest})"
+            )
+    # A backbone with a fixed position table (MMDiT) takes latents up to a side.
+    largest = getattr(getattr(model, "backbone", None), "max_latent_side", None)
+    for flag, value in (("--H", args.H), ("--W", args.W)):
+        if largest is not None and value is not None and value > largest * model.downscale:
+            raise ValueError(
+                f"{flag} {value}: at most {largest * model.downscale} for this model (the size "
+                "its position table was made for)"
+            )
+    if init_image is not None:
+        default_width, default_height = (
+            max(side - side % multiple, multiple) for side in init_image.size
+        )
+    else:
+        default_height = default_width = model.default_image_size
+    return args.H or default_height, args.W or default_width
+
+
 def generate(
-    args, init_images: torch.Tensor | None = None, extra_params: dict | None = None
+    args, init_image: Image.Image | None = None, extra_params: dict | None = None
 ) -> list[Path]:
-    """Run the sampling loop of txt2img / img2img; returns the written sample paths."""
+    """Run the sampling loop of txt2img / img2img; returns the written sample paths.
+    `init_image` (img2img) is resized to the size made."""
     lora_files = parse_specs(getattr(args, "lora", []))  # checked before the model loads
     check_lora_files(lora_files)
     check_output_folder(args.outdir, "--outdir")
+    pick_device(args.device)  # an unknown or absent device: before the model loads
     if args.from_file and not getattr(args, "classes", None):
         read_prompt_lines(args.from_file)  # before the model loads
     model = load_model(args)
     check_conditioning(model, args)
     check_lora_target(model, lora_files)
+    args = resolve_sampling(model, args)
     prompts = read_prompts(args, model.class_count)
     loras = apply_loras(model, lora_files)
     device = model.device
     model_hash = checkpoint.file_hash(args.ckpt)
     extra_params = {**(extra_params or {}), **vae_parameters(args)}
-    default_height, default_width = (
-        init_images.shape[-2:]
-        if init_images is not None
-        else (model.default_image_size, model.default_image_size)
-    )
-    height, width = args.H or default_height, args.W or default_width
+    if args.guidance is not None:
+        extra_params[GUIDANCE_FIELD] = args.guidance
+    height, width = image_size(model, args, init_image)
     latent_shape = model.latent_shape(height, width)  # checks the sizes fit the model
+    init_images = None if init_image is None else image_tensor(init_image, width, height)
     outdir = Path(args.outdir)
     sample_dir = outdir / "samples"
     sample_dir.mkdir(parents=True, exist_ok=True)
     count = next_free(sample_dir)
     autocast = (
-        torch.autocast(device.type, dtype=DTYPES[args.dtype])
+        torch.autocast(device.type, dtype=DTYPES[args.dtype or "bf16"])
         if args.precision == "autocast"
         else contextlib.nullcontext()
     )
@@ -494,18 +609,33 @@ def generate(
     return written
 
 
-def load_init_image(path: str, width: int | None, height: int | None) -> torch.Tensor:
-    """An image file -> (1, 3, H, W) in [-1, 1], resized to multiples of 8 (or to --W/--H)."""
+def open_init_image(path: str) -> Image.Image:
+    """`--init-img` as an 8-bit RGB image: transparency flattened onto white (A1111's default
+    img2img background; `convert("RGB")` alone turned transparent pixels into whatever colour
+    they hid, often black), 16-bit grayscale scaled to 8 bits (`convert` clipped it: white)."""
     if Path(path).is_dir():
         raise ValueError(f"--init-img {path} is a folder; give an image file")
     if not Path(path).is_file():
         raise FileNotFoundError(f"--init-img {path}: no such file")
     try:
-        image = Image.open(path).convert("RGB")
-    except UnidentifiedImageError:
+        image = Image.open(path)
+        image.load()
+    except (UnidentifiedImageError, OSError):
         raise ValueError(f"--init-img {path}: not an image file PIL can read") from None
-    w, h = width or image.width, height or image.height
-    w, h = w - w % 8, h - h % 8
-    image = image.resize((w, h), Image.Resampling.LANCZOS)
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        high = 65535 if image.mode.startswith("I;16") else max(image.getextrema()[1], 1)
+        gray = np.asarray(image, dtype=np.float64) * (255 / high)
+        image = Image.fromarray(gray.clip(0, 255).round().astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        image = Image.alpha_composite(white, rgba)
+    return image.convert("RGB")
+
+
+def image_tensor(image: Image.Image, width: int, height: int) -> torch.Tensor:
+    """An RGB image -> (1, 3, height, width) in [-1, 1] (resized with Lanczos when another size)."""
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.Resampling.LANCZOS)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).unsqueeze(0)

@@ -3,7 +3,7 @@ mistyped flag answer without importing torch."""
 
 import argparse
 
-from lun.cli import finite_float, old_spelling, positive_int
+from lun.cli import finite_float, old_spelling, positive_int, seed
 
 SAMPLER_NAMES = {
     "ddim": "DDIM",
@@ -15,6 +15,14 @@ SAMPLER_NAMES = {
     "ddpm_learned": "DDPM",  # learned variances (DiT learn_sigma models)
 }
 DTYPE_NAMES = ("fp32", "bf16", "fp16")  # lun.generation.DTYPES
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (Flux's guidance input: the conditioner refuses a negative one)."""
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
 
 
 def add_generation_args(parser: argparse.ArgumentParser) -> None:
@@ -36,12 +44,29 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--outdir", default="outputs/txt2img-samples", help="output folder")
     parser.add_argument("--steps", type=positive_int, default=50, help="sampling steps")
     old_spelling(parser, "--ddim_steps", "steps", type=positive_int)
-    parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim", help="sampler")
+    parser.add_argument(
+        "--sampler",
+        choices=list(SAMPLER_NAMES),
+        default=None,
+        help="sampler (default: ddim; euler for a flow model - SD3, Flux - which samples with "
+        "euler or heun)",
+    )
     parser.add_argument("--karras", action="store_true", help="Karras sigmas (sigma samplers)")
     parser.add_argument("--eta", type=finite_float, default=0.0, help="DDIM eta")
     old_spelling(parser, "--ddim_eta", "eta", type=finite_float)
     parser.add_argument(
-        "--scale", type=finite_float, default=7.5, help="classifier-free guidance scale"
+        "--scale",
+        type=finite_float,
+        default=None,
+        help="classifier-free guidance scale; 1 runs no unconditional pass; Flux, which is "
+        "guidance-distilled, defaults to 1 (default: 7.5)",
+    )
+    parser.add_argument(
+        "--guidance",
+        type=non_negative_float,
+        default=None,
+        help="Flux dev's distilled guidance, the scale fed to the model instead of CFG "
+        "(default: the config's, 3.5)",
     )
     parser.add_argument(
         "--n-samples", type=positive_int, default=1, help="images per prompt per iteration (batch)"
@@ -55,7 +80,9 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--W", type=positive_int, default=None, help="width in pixels (default: the model's)"
     )
-    parser.add_argument("--seed", type=int, default=42, help="image i of the run uses seed + i")
+    parser.add_argument(
+        "--seed", type=seed, default=42, help="0 to 2**32 - 1; image i of the run uses seed + i"
+    )
     parser.add_argument(
         "--fixed-code", action="store_true", help="same starting noise in every iteration"
     )
@@ -72,8 +99,8 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         choices=DTYPE_NAMES,
-        default="bf16",
-        help="autocast dtype with --precision autocast",
+        default=None,
+        help="autocast dtype, with --precision autocast (default: bf16)",
     )
     parser.add_argument(
         "--ema",
@@ -103,3 +130,10 @@ def add_generation_args(parser: argparse.ArgumentParser) -> None:
         help="merge a LoRA / LoCon / DoRA file (kohya or diffusers format) at WEIGHT (default "
         "1) before sampling; repeatable",
     )
+
+
+def check_generation_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Flags that only mean something together: `--dtype fp16` alone sampled in float32, silently."""
+    if args.dtype is not None and args.precision != "autocast":
+        parser.error(f"--dtype {args.dtype} applies with --precision autocast; give both")
+    args.dtype = args.dtype or "bf16"

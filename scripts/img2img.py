@@ -7,7 +7,7 @@
 import argparse
 
 from lun.cli import HelpFormatter
-from lun.generation_args import add_generation_args
+from lun.generation_args import add_generation_args, check_generation_args
 
 
 def main(argv=None) -> None:
@@ -18,17 +18,19 @@ def main(argv=None) -> None:
         "--strength",
         type=float,
         default=0.75,
-        help="0 keeps the image, 1 ignores it (fraction of the steps that are run)",
+        help="how much to change the image: int(steps * strength) of the steps are run, from "
+        "that step's noise level (0 returns the image through the VAE, 1 ignores it)",
     )
     parser.set_defaults(outdir="outputs/img2img-samples")
     args = parser.parse_args(argv)
+    check_generation_args(parser, args)
     if not 0.0 <= args.strength <= 1.0:
         parser.error("--strength must be in [0, 1]")
-    from lun.generation import generate, load_init_image, one_line_errors  # torch: after parsing
+    from lun.generation import generate, one_line_errors, open_init_image  # torch: after parsing
 
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
-        init = load_init_image(args.init_img, args.W, args.H)
-        generate(args, init_images=init, extra_params={"Denoising strength": args.strength})
+        init = open_init_image(args.init_img)  # before the model loads
+        generate(args, init_image=init, extra_params={"Denoising strength": args.strength})
 
 
 if __name__ == "__main__":

@@ -9,13 +9,14 @@
 import argparse
 
 from lun.cli import HelpFormatter
-from lun.generation_args import add_generation_args
+from lun.generation_args import add_generation_args, check_generation_args
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_generation_args(parser)
     args = parser.parse_args(argv)
+    check_generation_args(parser, args)
     from lun.generation import generate, one_line_errors  # torch: after parsing
 
     with one_line_errors():  # one line naming the file, exit 2 (1 for a failed write)
