@@ -17,6 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from lun.cli import seed
 from lun.config import ConfigError, check_complete, merge_configs, to_container
 from lun.legacy import fold_switch_values, legacy_resume, translate_command_line
 from lun.run import RunDir
@@ -52,7 +53,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="resume from a checkpoint holding pickled code (only one you trust)",
     )
-    parser.add_argument("-s", "--seed", type=int, default=23, help="global seed (default 23)")
+    parser.add_argument("-s", "--seed", type=seed, default=23, help="global seed (default 23)")
     parser.add_argument(
         "-l", "--logdir", default="logs", help="parent folder of run folders, or a URL (s3://...)"
     )

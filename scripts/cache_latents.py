@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_args(argv=None):
-    from lun.cli import HelpFormatter
+    from lun.cli import HelpFormatter, seed
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("-b", "--base", nargs="*", default=[], metavar="config.yaml")
@@ -45,7 +45,11 @@ def parse_args(argv=None):
     parser.add_argument("--workers", type=int, default=None, help="decoding processes per rank")
     parser.add_argument("--processes", type=int, default=1, help="encoding processes to start")
     parser.add_argument(
-        "-s", "--seed", type=int, default=23, help="global seed, as main.py's (random-init weights)"
+        "-s",
+        "--seed",
+        type=seed,
+        default=23,
+        help="global seed, as main.py's (random-init weights)",
     )
     parser.add_argument("--device", help="default: the accelerator if there is one, else cpu")
     opt, dotlist = parser.parse_known_args(argv)

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from lun.cli import HelpFormatter
+    from lun.cli import HelpFormatter, seed
     from lun.generation_args import SAMPLER_NAMES
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
@@ -47,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--sampler", choices=list(SAMPLER_NAMES), default="ddim", help="sampler")
     parser.add_argument("--steps", type=int, default=25, help="sampling steps")
     parser.add_argument("--scale", type=float, default=5.0, help="classifier-free guidance scale")
-    parser.add_argument("--seed", type=int, default=0, help="image i uses seed + i")
+    parser.add_argument("--seed", type=seed, default=0, help="image i uses seed + i")
     parser.add_argument("--size", type=int, help="image side (default: the model's)")
     parser.add_argument("--batch-size", type=int, default=16, help="images per sampling batch")
     parser.add_argument(

@@ -129,6 +129,14 @@ def test_nothing_given_says_what_to_give(tmp_path):
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("value", ["-1", str(2**32), str(2**64)])
+def test_a_seed_out_of_range_is_argparses_line(tmp_path, value):
+    # -1 was a Lightning traceback ("-1 is not in bounds, numpy accepts from 0 to 4294967295").
+    with pytest.raises(SystemExit) as stop:
+        run_main_here(["--seed", value, "-t"], cwd=tmp_path)
+    assert stop.value.code == 2
+
+
 def test_help_shows_resume_with_t():
     result = subprocess.run(
         [sys.executable, str(ROOT / "main.py"), "--help"], capture_output=True, text=True
