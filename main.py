@@ -251,8 +251,7 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
     from lightning.pytorch import seed_everything
 
     from lun.data.latent_cache import check_cached_data
-    from lun.run import check_strategy_fits, nothing_left_problem
-    from lun.strategies import shape_problem
+    from lun.run import check_strategy_fits
     from lun.trainer import (
         build_data,
         build_model,
@@ -276,13 +275,7 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
         check_cached_data(data, model)  # a cache made with other weights: stop before the run
         check_strategy_fits(model, trainer.strategy, resuming=launch.ckpt_path is not None)
         problems = [clipping_problem(model, trainer), image_size_problem(model, data)]
-        if launch.ckpt_path is not None:
-            problems.append(shape_problem(launch.ckpt_path, model, opt.unsafe_load))
-        if launch.ckpt_path is not None and not opt.validate_only:
-            problems.append(
-                nothing_left_problem(launch.ckpt_path, trainer.max_steps, trainer.max_epochs)
-            )
-        for problem in problems:
+        for problem in problems + resume_problems(opt, launch, model, trainer):
             if problem:
                 raise ConfigError(problem)
         if launch.remote is not None:
@@ -290,6 +283,21 @@ def build(opt: argparse.Namespace, launch: Launch) -> tuple:
     except ValueError as err:  # what lun.trainer's builders did not already name
         raise ConfigError(str(err).strip().splitlines()[0]) from err
     return data, trainer, model
+
+
+def resume_problems(opt: argparse.Namespace, launch: Launch, model, trainer) -> list:
+    """What a resume would meet inside fit, after the run folder took the config: tensors of
+    other shapes than the checkpoint's, or no step left to train."""
+    from lun.run import nothing_left_problem
+    from lun.strategies import shape_problem
+
+    if launch.ckpt_path is None:
+        return []
+    problems = [shape_problem(launch.ckpt_path, model, opt.unsafe_load)]
+    if not opt.validate_only:
+        steps, epochs = trainer.max_steps, trainer.max_epochs
+        problems.append(nothing_left_problem(launch.ckpt_path, steps, epochs))
+    return problems
 
 
 def set_learning_rate(model_config: dict, scale_lr: bool, data, trainer) -> None:

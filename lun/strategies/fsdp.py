@@ -192,6 +192,18 @@ class FSDPStrategy(LightningFSDPStrategy):
         with self._cpu_safe_full_state_dicts():
             return super().optimizer_state(optimizer)
 
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any = None) -> None:
+        # A sharded save over a file of the same name (the full checkpoint a run resumed from,
+        # then saved as shards): Lightning has every rank unlink that file, and the rank that
+        # loses the race dies of FileNotFoundError (test_strategies' FSDP case, now and then).
+        # Rank 0 removes it; rank 0's answer decides for all, so every rank meets the barrier.
+        path = Path(self.broadcast(str(filepath)))
+        if self._state_dict_type == "sharded" and self.broadcast(path.is_file()):
+            if self.global_rank == 0:
+                path.unlink()
+            self.barrier("lun_fsdp_sharded_save")
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
     def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
         # Lightning reads a full file with a plain unpickler and a sharded folder's `.metadata`
         # with pickle.load: checked first, unless trusted (`Trainer.fit(weights_only=False)`).

@@ -83,7 +83,9 @@ def test_a_folder_given_as_weights_file_is_named(tmp_path, key):
 
 
 def test_a_diffusers_folder_is_still_a_model(tmp_path):
+    # Read as a model folder (its parts' configs named), not refused as "a folder".
     (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionPipeline"}')
-    check_config_files(
-        {"target": "ldm.diffusion.LatentDiffusion", "params": {"ckpt_path": str(tmp_path)}}
-    )
+    with pytest.raises(WrongFileError, match=r"unet/config.json: missing \(is the diffusers"):
+        check_config_files(
+            {"target": "ldm.diffusion.LatentDiffusion", "params": {"ckpt_path": str(tmp_path)}}
+        )
