@@ -200,3 +200,21 @@ TORCHRUN_TWO = [
     "--nproc-per-node",
     "2",
 ]
+
+
+def script_outcome(main, argv, capsys) -> tuple[int, list[str]]:
+    """(exit status, stderr lines) of a script's main(argv) in this process."""
+    capsys.readouterr()
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as stop:
+        status = stop.code
+    return status, capsys.readouterr().err.splitlines()
+
+
+def assert_one_line(status, lines, *words):
+    """Exit status 2 and one stderr line holding each of `words` (docs/errors.md's promise)."""
+    assert status == 2, lines
+    assert len(lines) == 1, lines
+    for word in words:
+        assert word in lines[0], (word, lines[0])

@@ -27,7 +27,7 @@ import txt2img
 from eval_helpers import make_small_features
 from lora_helpers import build, randomize_adapters
 from PIL import Image
-from run_helpers import ROOT, run_main_here
+from run_helpers import ROOT, assert_one_line, run_main_here, script_outcome
 from safetensors.torch import save_file
 
 from ldm import checkpoint, lora
@@ -107,23 +107,6 @@ def files(tmp_path_factory):
     for name in ("a-folder", "a-file", "prompts.txt", "reference", "init.png"):
         found[name] = out / name
     return found
-
-
-def outcome(main, argv, capsys) -> tuple[int, list[str]]:
-    """(exit status, stderr lines) of a script's main(argv) in this process."""
-    capsys.readouterr()
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as stop:
-        status = stop.code
-    return status, capsys.readouterr().err.splitlines()
-
-
-def assert_one_line(status, lines, *words):
-    assert status == 2, lines
-    assert len(lines) == 1, lines
-    for word in words:
-        assert word in lines[0], (word, lines[0])
 
 
 def sample(files, tmp):
@@ -225,7 +208,7 @@ DAMAGED_CASES = [
 def test_a_damaged_or_refused_file_is_one_line_naming_it(files, tmp_path, capsys, entry, damaged):
     bad = files[damaged]
     main, argv, flag = argv_with(entry, files, tmp_path, bad)
-    status, lines = outcome(main, argv, capsys)
+    status, lines = script_outcome(main, argv, capsys)
     assert_one_line(status, lines, f"{flag} {bad}" if flag else str(bad))
     assert any(words in lines[0] for words in DAMAGED[damaged]), lines
     assert "Please file an issue" not in lines[0]  # torch's words for its own reader's limits
@@ -295,7 +278,7 @@ def test_a_missing_path_or_a_folder_for_a_file_is_one_line_naming_the_flag(
     bad = tmp_path / "typo.safetensors" if given == "missing" else files["a-folder"]
     main, argv = missing_or_folder_entries(files, tmp_path)[entry]
     flag = entry.split()[1]
-    status, lines = outcome(main, [bad if a == "BAD" else a for a in argv], capsys)
+    status, lines = script_outcome(main, [bad if a == "BAD" else a for a in argv], capsys)
     # A folder is not "no such file" (it is there): the line says what it is.
     said = ("no such file", "not found") if given == "missing" else ("is a folder",)
     assert_one_line(status, lines)
@@ -326,7 +309,7 @@ def test_a_text_flag_given_a_binary_or_empty_file_is_one_line(
     monkeypatch.setattr(generation, "instantiate_from_config", built)
     flag, name, words = TEXT_CASES[case]
     argv = ["--ckpt", files["model"], *sample(files, tmp_path), flag, files[name]]
-    status, lines = outcome(txt2img.main, argv, capsys)
+    status, lines = script_outcome(txt2img.main, argv, capsys)
     assert_one_line(status, lines, f"{flag} {files[name]}", words)
     assert list(tmp_path.iterdir()) == []
 
@@ -407,7 +390,7 @@ def test_an_output_path_that_cannot_be_written_is_one_line_before_anything_is_re
     `x.safetnesors` silently got a pickle, lora.py's `x.ckpt` a safetensors file."""
     out = make(files, tmp_path)
     main, argv = output_entries(files, tmp_path)[entry]
-    status, lines = outcome(main, [out if a == "OUT" else a for a in argv], capsys)
+    status, lines = script_outcome(main, [out if a == "OUT" else a for a in argv], capsys)
     assert_one_line(status, lines, str(out), words)
     assert list(tmp_path.iterdir()) == []
     assert files["a-file"].read_text() == "not a folder\n"
@@ -447,7 +430,7 @@ def test_a_failed_folder_export_leaves_the_earlier_folder_whole(
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_safetensors", full_disk)
-    status, lines = outcome(
+    status, lines = script_outcome(
         swap_vae.main, ["--vae", files["model"], "--to-diffusers", folder], capsys
     )
     assert status == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
@@ -492,7 +475,7 @@ def test_a_failed_convert_keeps_the_earlier_output_and_the_users_tmp_file(
 
     target = checkpoint if suffix == ".safetensors" else convert
     monkeypatch.setattr(target, "open", full_disk_open, raising=False)
-    status, lines = outcome(convert.main, [files["model"], out], capsys)
+    status, lines = script_outcome(convert.main, [files["model"], out], capsys)
     assert status == 1 and len(lines) == 1 and "No space left on device" in lines[0], lines
     assert out.read_bytes() == b"earlier" and users.read_bytes() == b"mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, users.name])

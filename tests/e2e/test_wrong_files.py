@@ -24,7 +24,7 @@ import yaml
 from eval_helpers import make_small_features
 from lora_helpers import build, randomize_adapters
 from PIL import Image
-from run_helpers import ROOT, run_main_here
+from run_helpers import ROOT, assert_one_line, run_main_here, script_outcome
 from safetensors.torch import save_file
 from sdxl_helpers import tiny_sdxl, tiny_sdxl_config
 
@@ -148,23 +148,6 @@ def files(tmp_path_factory, tiny_config, shape_classes_dir):
     return found
 
 
-def outcome(main, argv, capsys) -> tuple[int, list[str]]:
-    """(exit status, stderr lines) of a script's main(argv) in this process."""
-    capsys.readouterr()
-    try:
-        status = main([str(a) for a in argv])
-    except SystemExit as stop:
-        status = stop.code
-    return status, capsys.readouterr().err.splitlines()
-
-
-def assert_one_line(status, lines, *words):
-    assert status == 2, lines
-    assert len(lines) == 1, lines
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-
-
 def generation(files, out, config, ckpt):
     return ["--config", files[config], "--ckpt", files[ckpt], "--outdir", out, "--steps", "1"]
 
@@ -196,7 +179,7 @@ def test_a_model_of_another_family_is_one_line(
     argv = generation(files, tmp_path / "out", config, ckpt)
     if script is img2img:
         argv += ["--init-img", files["init"]]
-    status, lines = outcome(script.main, argv, capsys)
+    status, lines = script_outcome(script.main, argv, capsys)
     assert_one_line(status, lines, f"--ckpt {files[ckpt]} {found}", f"expected {expected}")
     assert not (tmp_path / "out").exists()
 
@@ -229,7 +212,7 @@ def test_a_wrong_option_file_or_conditioning_is_one_line(files, tmp_path, capsys
     config = "dit_config" if ckpt == "dit" else "sd1_config"
     extra = [files.get(a, a) if i % 2 else a for i, a in enumerate(extra)]
     argv = generation(files, tmp_path / "out", config, ckpt) + extra
-    status, lines = outcome(txt2img.main, argv, capsys)
+    status, lines = script_outcome(txt2img.main, argv, capsys)
     assert_one_line(status, lines, *words)
     assert not (tmp_path / "out").exists()
 
@@ -343,7 +326,7 @@ SCRIPT_CASES = [
 def test_every_script_names_the_wrong_file_in_one_line(files, tmp_path, capsys, case):
     main, argv, words = file_cases(files, tmp_path)[case]
     before = sorted(tmp_path.iterdir())
-    status, lines = outcome(main, argv, capsys)
+    status, lines = script_outcome(main, argv, capsys)
     assert_one_line(status, lines, *words)
     assert sorted(tmp_path.iterdir()) == before  # nothing written
 
