@@ -268,6 +268,30 @@ class LatentModelContract(TrainingContract):
         conditioner = self.conditioner
         return conditioner.num_classes if conditioner.input_key == "label" else None
 
+    # --- sampling -----------------------------------------------------------------------------
+    @property
+    def guidance_distilled(self) -> bool:
+        """True for a model distilled not to need classifier-free guidance (Flux dev and
+        schnell: their conditioner has a `guidance` setting), sampled at scale 1 by default."""
+        return hasattr(self.conditioner, "guidance")
+
+    @property
+    def embedded_guidance(self) -> float | None:
+        """The guidance value a guidance-distilled model takes as an input (Flux dev's), fed in
+        training and sampling; None for a model that takes none."""
+        return getattr(self.conditioner, "guidance", None)
+
+    @embedded_guidance.setter
+    def embedded_guidance(self, value: float) -> None:
+        if self.embedded_guidance is None:
+            raise ValueError("this model takes no distilled guidance value (Flux dev does)")
+        self.conditioner.guidance = float(value)
+
+    @property
+    def max_latent_side(self) -> int | None:
+        """The largest latent side the backbone takes (MMDiT's position table), None: any."""
+        return getattr(self.backbone, "max_latent_side", None)
+
     # --- the latent cache ---------------------------------------------------------------------
     def cache_fingerprint(self, text: bool = False) -> dict:
         """What cached latents depend on: the first stage's weights and the latent scale and

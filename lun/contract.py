@@ -69,6 +69,10 @@ class LatentModel(TrainableModule, Protocol):
     caption_conditioning_frozen: whether a caption's conditioning is fixed (cacheable).
     class_count: the number of classes of a class-conditional model, None for a text model.
     cache_fingerprint(text): what cached latents (and cached text, with `text`) depend on.
+    guidance_distilled: distilled not to need classifier-free guidance (Flux): scale 1 by default.
+    embedded_guidance: the guidance value such a model takes as an input (Flux dev), settable;
+        None when it takes none.
+    max_latent_side: the largest latent side the backbone takes (a position table), None: any.
 
     For the scripts that write a part in another tool's layout or time it against that tool's
     (training never needs them):
@@ -81,6 +85,9 @@ class LatentModel(TrainableModule, Protocol):
 
     class_count: int | None
     caption_conditioning_frozen: bool
+    guidance_distilled: bool
+    embedded_guidance: float | None
+    max_latent_side: int | None
     latent_scaling: tuple[float, float]
     denoiser: nn.Module
     caption_conditioner: nn.Module

@@ -438,12 +438,6 @@ def is_flow_model(model) -> bool:
     return getattr(getattr(model, "objective", None), "name", None) == "flow"
 
 
-def distilled_guidance(model) -> bool:
-    """Flux (dev and schnell) was distilled not to need classifier-free guidance: its conditioner
-    has a `guidance` attribute (dev's embedded scale; None for schnell)."""
-    return hasattr(getattr(model, "conditioner", None), "guidance")
-
-
 def resolve_sampling(model, args) -> argparse.Namespace:
     """`args` with the family's defaults filled in, as they are then used and written to the PNG:
     the sampler (ddim, or euler for a flow model: "ddim" there is an alias of euler, so the
@@ -471,7 +465,7 @@ def resolve_sampling(model, args) -> argparse.Namespace:
         )
     resolved.sampler = sampler
     if args.scale is None:
-        resolved.scale = 1.0 if distilled_guidance(model) else DEFAULT_SCALE
+        resolved.scale = 1.0 if model.guidance_distilled else DEFAULT_SCALE
     if args.negative_prompt and model.class_count is not None:
         raise ValueError(
             "--negative-prompt: a class-conditional model guides against the null class; "
@@ -483,13 +477,13 @@ def resolve_sampling(model, args) -> argparse.Namespace:
             "(no unconditional pass): give --scale above 1, or leave the negative prompt out"
         )
     if args.guidance is not None:
-        if getattr(model.conditioner, "guidance", None) is None:
+        if model.embedded_guidance is None:
             raise ValueError(
                 "--guidance: this model takes no distilled guidance (Flux dev does); use --scale "
                 "for classifier-free guidance"
             )
-        model.conditioner.guidance = float(args.guidance)
-    resolved.guidance = getattr(getattr(model, "conditioner", None), "guidance", None)
+        model.embedded_guidance = args.guidance
+    resolved.guidance = model.embedded_guidance
     return resolved
 
 
@@ -507,7 +501,7 @@ def image_size(model, args, init_image: Image.Image | None) -> tuple[int, int]:
                 f"(e.g. {nearest})"
             )
     # A backbone with a fixed position table (MMDiT) takes latents up to a side.
-    largest = getattr(getattr(model, "backbone", None), "max_latent_side", None)
+    largest = model.max_latent_side
     for flag, value in (("--H", args.H), ("--W", args.W)):
         if largest is not None and value is not None and value > largest * model.downscale:
             raise ValueError(

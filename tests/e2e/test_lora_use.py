@@ -106,7 +106,7 @@ def test_lora_bad_input_is_one_line_exit_2_before_any_output(files, tiny_config,
         f"{tmp_path / 'missing.safetensors'}:0.5": "LoRA file not found",
         f"{style}:strong": "weight 'strong' is not a number",
         f"{style}:nan": "not a finite number",
-        str(other): "lora_unet_input_blocks_4_1_proj_in",
+        str(other): "an SDXL LoRA; this model is SD 1.x",
         str(files / "base.safetensors"): "is an SD 1.x checkpoint, expected a LoRA file",
     }
     for spec, expected in cases.items():
