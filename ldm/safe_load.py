@@ -135,14 +135,14 @@ def _unsupported_opcode(path, err: pickle.UnpicklingError, what: str) -> Excepti
     return _unreadable(f"{path}{what}", "a pickle that torch's weights-only loader cannot read")
 
 
-def _torch_load(source, path, **kwargs):
+def _torch_load(source, path, *, weights_only: bool, **kwargs):
     """torch.load; a zip file cut short (torch: "[Errno 22] Invalid argument", naming nothing)
     is a ValueError naming `path`."""
     with warnings.catch_warnings():
         # "Detected pickle protocol 4 in the checkpoint": its failure, if any, is ours to say.
         warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
         try:
-            return torch.load(source, map_location="cpu", **kwargs)
+            return torch.load(source, map_location="cpu", weights_only=weights_only, **kwargs)
         except OSError as err:
             if err.filename is not None or err.errno != errno.EINVAL:
                 raise
@@ -180,10 +180,8 @@ def check_readable(path: str | Path) -> None:
     header against the file's size (memory-mapped by safetensors, no tensor read), a pickle
     weights-only (`check_pickle`). Damage and refusals raise as `load_file_state` would."""
     path = Path(path)
-    if path.is_file() and path.stat().st_size == 0:
-        raise UnreadableCheckpointError(
-            f"{path}: an empty file (0 bytes); download or copy it again"
-        )
+    if path.is_file():
+        _check_not_empty(path)
     if path.suffix != ".safetensors":
         check_pickle(path)
         return
@@ -193,9 +191,20 @@ def check_readable(path: str | Path) -> None:
         with safe_open(str(path), framework="pt"):
             pass
     except SafetensorError as err:
+        raise _unreadable_safetensors(path, err) from None
+
+
+def _check_not_empty(path: Path) -> None:
+    """An empty file is said as such (safetensors says "header too small", torch "EOFError()")."""
+    if path.stat().st_size == 0:
         raise UnreadableCheckpointError(
-            f"{path}: not a readable .safetensors file ({err})"
-        ) from None
+            f"{path}: an empty file (0 bytes); download or copy it again"
+        )
+
+
+def _unreadable_safetensors(path, err: Exception) -> UnreadableCheckpointError:
+    # "incomplete metadata, file not fully covered", "header too large", ...
+    return UnreadableCheckpointError(f"{path}: not a readable .safetensors file ({err})")
 
 
 def load_file_state(
@@ -211,17 +220,12 @@ def load_file_state(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.stat().st_size == 0:  # safetensors says "header too small", torch "EOFError()"
-        raise UnreadableCheckpointError(
-            f"{path}: an empty file (0 bytes); download or copy it again"
-        )
+    _check_not_empty(path)
     if path.suffix == ".safetensors":
         try:
             return load_file(str(path))
-        except SafetensorError as err:  # "incomplete metadata, file not fully covered"
-            raise UnreadableCheckpointError(
-                f"{path}: not a readable .safetensors file ({err})"
-            ) from None
+        except SafetensorError as err:
+            raise _unreadable_safetensors(path, err) from None
     mmap = mmap and zipfile.is_zipfile(path)  # the legacy format cannot be mapped
     if unsafe:
         try:
