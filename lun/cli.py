@@ -6,8 +6,10 @@ import torch only after their arguments are parsed, so `--help` answers at once.
 """
 
 import argparse
+import contextlib
 import copy
 import math
+import pickle
 from pathlib import Path
 
 
@@ -111,3 +113,29 @@ def check_output_folder(path, flag: str) -> None:
         raise ValueError(f"{flag} {path} is a file; give a folder")
     if blocker is not None:
         raise ValueError(f"{flag} {path}: {blocker} is a file, not a folder")
+
+
+# --- files a script reads, checked as above -------------------------------------------------
+
+
+def check_input_file(path, flag: str, give: str = "a weights file", missing: str = "") -> None:
+    """A file a flag names: a folder is `FLAG X is a folder; give <give>` (ValueError), a path
+    that is not there `FLAG X: no such file<missing>` (FileNotFoundError)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a folder; give {give}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file{missing}")
+
+
+@contextlib.contextmanager
+def naming(flag: str, path):
+    """A damaged or refused file's line (`ldm.safe_load`: "X: not a readable ...", "X: refused
+    to unpickle ...") says which flag named it: `--vae X: not a readable ...`."""
+    try:
+        yield
+    except (ValueError, pickle.UnpicklingError) as err:
+        text = str(err)
+        if not text.startswith(str(path)):  # already names its flag, or another file
+            raise
+        raise type(err)(f"{flag} {text}") from None

@@ -25,7 +25,7 @@ from ldm.layout import family
 from ldm.layout.diffusers import is_diffusers_folder
 from ldm.safe_load import check_readable
 from ldm.util import instantiate_from_config
-from lun.cli import check_output_folder
+from lun.cli import check_input_file, check_output_folder, naming
 from lun.config import check_complete, merge_configs, to_container
 from lun.contract import LatentModel
 from lun.generation_args import SAMPLER_NAMES, add_generation_args  # noqa: F401 (importable from here too)
@@ -207,31 +207,20 @@ def load_model(args, flag: str = "--ckpt") -> LatentModel:
 
 def check_vae_path(vae: str | None) -> None:
     """`--vae` names a weights file; a diffusers AutoencoderKL folder is read from its file."""
-    if not vae:
-        return
-    path = Path(vae)
-    if path.is_dir():
-        raise ValueError(
-            f"--vae {path} is a folder; give a VAE weights file (.safetensors / .ckpt); of a "
-            "diffusers AutoencoderKL folder, its diffusion_pytorch_model.safetensors"
+    if vae:
+        give = (
+            "a VAE weights file (.safetensors / .ckpt); of a diffusers AutoencoderKL folder, its "
+            "diffusion_pytorch_model.safetensors"
         )
-    if not path.is_file():
-        raise FileNotFoundError(f"--vae {path}: no such file")
-    with naming("--vae", path):  # damaged or refused: said before the model is built
+        check_weights_file(vae, "--vae", give)  # damaged or refused: before the model is built
+
+
+def check_weights_file(path, flag: str, give: str = "a weights file", missing: str = "") -> None:
+    """A weights file a flag names, there and readable (`ldm.safe_load.check_readable`: the
+    header, or the pickle weights-only), before anything slow: one line naming the flag."""
+    check_input_file(path, flag, give, missing)
+    with naming(flag, path):
         check_readable(path)
-
-
-@contextlib.contextmanager
-def naming(flag: str, path):
-    """A damaged or refused file's line (`ldm.safe_load`: "X: not a readable ...", "X: refused
-    to unpickle ...") says which flag named it: `--vae X: not a readable ...`."""
-    try:
-        yield
-    except (ValueError, pickle.UnpicklingError) as err:
-        text = str(err)
-        if not text.startswith(str(path)):  # already names its flag, or another file
-            raise
-        raise type(err)(f"{flag} {text}") from None
 
 
 def check_model_file(path, expected: str | None, what: str, unsafe: bool = False) -> None:

@@ -7,22 +7,20 @@ AUTOMATIC1111 names them: `<lora:NAME:WEIGHT>` in the prompt text and a `Lora ha
 import dataclasses
 import hashlib
 import math
-import pickle
 from pathlib import Path
 
 import torch
 
 from ldm import checkpoint, lora
 from ldm.layout import family
+from lun.cli import naming
 
 
 def check_lora_files(files: list[tuple[Path, float]]) -> None:
     """Every `--lora` file holds adapters only (not a model, a VAE...): read from its keys."""
     for path, _ in files:
-        try:
+        with naming("--lora", path):  # damaged, or refused: which flag
             found = family.file_family(path)
-        except (ValueError, pickle.UnpicklingError) as err:  # damaged, or refused: which flag
-            raise type(err)(f"--lora {err}") from None
         if found != family.LORA:
             hint = "a model goes to --ckpt (with its --config)"
             checkpoint.check_family(path, found, family.LORA, "--lora", "a LoRA file", hint)

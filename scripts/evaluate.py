@@ -73,11 +73,11 @@ def check_inputs(args) -> list:
     from ldm.layout import family
     from ldm.safe_load import check_readable
     from lun.callbacks.evaluation import read_prompt_file
-    from lun.cli import check_output_file, check_output_folder
+    from lun.cli import check_output_file, check_output_folder, naming
     from lun.config import merge_configs, to_container
     from lun.eval.clip_score import check_clip_folder
     from lun.eval.features import check_features_file
-    from lun.generation import check_model_file, check_text_file, naming
+    from lun.generation import check_model_file, check_text_file
 
     if args.out:  # written after the whole evaluation: a wrong path is said now
         check_output_file(args.out, "--out")

@@ -146,21 +146,14 @@ def plot(rows: list[dict], path: Path) -> None:
 def check_inputs(args) -> None:
     """What the flags name, in one line each (exit 2) before data is drawn or anything trains:
     a --features file that is not there would otherwise be trained anew and written there."""
-    from ldm.safe_load import check_readable
     from lun.cli import check_output_folder
-    from lun.generation import naming, one_line_errors
+    from lun.generation import check_weights_file, one_line_errors
 
     with one_line_errors():
         check_output_folder(args.out, "--out")
         if args.features:
-            if Path(args.features).is_dir():
-                raise ValueError(f"--features {args.features} is a folder; give a SmallCNN file")
-            if not Path(args.features).is_file():
-                raise FileNotFoundError(
-                    f"--features {args.features}: no such file (leave --features out to train one)"
-                )
-            with naming("--features", args.features):
-                check_readable(args.features)
+            missing = " (leave --features out to train one)"
+            check_weights_file(args.features, "--features", "a SmallCNN file", missing)
         if args.resume and not (Path(args.resume) / "checkpoints").is_dir():
             raise FileNotFoundError(f"--resume {args.resume}: not a run folder (no checkpoints/)")
         for overlay in args.config:

@@ -126,17 +126,11 @@ def score(ckpt: str, n: int, size: int, steps: int = SAMPLING["steps"]) -> dict:
 
 def check_inputs(args) -> None:
     """--base-ckpt readable and --out a folder, in one line each (exit 2) before any training."""
-    from ldm.safe_load import check_readable
     from lun.cli import check_output_folder
-    from lun.generation import naming, one_line_errors
+    from lun.generation import check_weights_file, one_line_errors
 
     with one_line_errors():
-        if Path(args.base_ckpt).is_dir():
-            raise ValueError(f"--base-ckpt {args.base_ckpt} is a folder; give a checkpoint file")
-        if not Path(args.base_ckpt).is_file():
-            raise FileNotFoundError(f"--base-ckpt {args.base_ckpt}: no such file")
-        with naming("--base-ckpt", args.base_ckpt):
-            check_readable(args.base_ckpt)
+        check_weights_file(args.base_ckpt, "--base-ckpt", "a checkpoint file")
         check_output_folder(args.out, "--out")
 
 

@@ -124,14 +124,13 @@ def main(argv=None) -> int:
     from ldm.checkpoint import check_family, save_safetensors
     from ldm.layout import family
     from ldm.safe_load import load_file_state, state_dict_of
-    from lun.generation import naming, one_line_errors, replaced_folder, writing
+    from lun.cli import check_input_file, naming
+    from lun.generation import one_line_errors, replaced_folder, writing
 
     try:
         for flag, path in (("--vae", opt.vae), ("--ckpt", opt.ckpt)):
-            if path and Path(path).is_dir():
-                raise ValueError(f"{flag} {path} is a folder; give a weights file")
-            if path and not Path(path).is_file():
-                raise ValueError(f"{flag} {path}: no such file")
+            if path:
+                check_input_file(path, flag)
         with naming("--vae", opt.vae):
             vae = vae_weights(opt.vae, opt.ema, opt.unsafe_load)
         if opt.ckpt:
