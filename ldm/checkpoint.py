@@ -57,10 +57,12 @@ def check_config_files(
     is built: one that is not there, or of another family than the config's model, is a
     WrongFileError naming the key (a mistyped `model.params.ckpt_path` would otherwise end in a
     traceback after building, an SDXL file for an SD config in a size-mismatch dump)."""
+    given = {}  # key -> the path it names
     for key in CONFIG_FILES:
         value = model_config.get("params") or {}
         for part in key.split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
+        given[key] = value
         if value and not Path(value).exists():
             raise WrongFileError(f"model.params.{key}: {value}: no such file")
         # A folder is a model only as a diffusers pipeline (`load_weights` reads those).
@@ -73,12 +75,10 @@ def check_config_files(
                 f"model.params.{key}: {value} is a folder; expected a weights file "
                 f"(.safetensors / .ckpt){also}"
             )
-    first_stage = ((model_config.get("params") or {}).get("first_stage_config") or {}).get("params")
-    vae_path = (first_stage or {}).get("ckpt_path") if isinstance(first_stage, Mapping) else None
-    if vae_path and not diffusers.is_diffusers_folder(vae_path):
-        check_vae_file(vae_path, "model.params.first_stage_config.params.ckpt_path", unsafe)
-    named = {"model.params.ckpt_path": (model_config.get("params") or {}).get("ckpt_path")}
-    named[resume_flag] = resume
+    vae_key = "first_stage_config.params.ckpt_path"
+    if given[vae_key]:  # a file: a folder was refused above
+        check_vae_file(given[vae_key], f"model.params.{vae_key}", unsafe)
+    named = {"model.params.ckpt_path": given["ckpt_path"], resume_flag: resume}
     named = {what: path for what, path in named.items() if path}
     if not named:
         return
@@ -303,8 +303,8 @@ def save_safetensors(
 def temporary_path(path: Path) -> Path:
     """Where `path` is written before it is renamed into place: hidden, and unique to this
     writer (`x.safetensors.tmp` would replace a user's own file of that name, and two writers
-    of one path would share it); `lun.atomic_io`'s pattern, so a run folder's stale ones are
-    recognised and removed."""
+    of one path would share it). `lun.atomic_io` writes checkpoints under these names too and
+    recognises a run folder's stale ones by them."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 

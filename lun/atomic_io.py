@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +30,8 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 
+from ldm.checkpoint import temporary_path
+
 # `.NAME.tmp-PID-HEX` (files and links written here) or `.NAME.tmp-HEX` (the folders of
 # `lun.strategies`, written by every rank): a writer's work in progress, never a checkpoint.
 _TEMPORARY = re.compile(r"\.(?P<name>.+)\.tmp-(?:(?P<pid>\d+)-)?[0-9a-f]{8}")
@@ -39,10 +40,10 @@ STALE_AFTER_S = 3600.0
 
 
 def _temporary_name(path: str) -> str:
-    folder, name = os.path.split(path)
-    # Hidden and unique: a crashed writer's leftover never matches `last*.ckpt` patterns. The PID
-    # tells a killed writer's leftover from a file that another live process is still writing.
-    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    # Hidden and unique (`ldm.checkpoint.temporary_path`, the one owner of the name): a crashed
+    # writer's leftover never matches `last*.ckpt` patterns, and its PID tells a killed writer's
+    # leftover from a file that another live process is still writing.
+    return str(temporary_path(Path(path)))
 
 
 def _fsync_folder(folder: str) -> None:

@@ -260,8 +260,12 @@ def _checkpoint_params(key: str, cls: type, params: dict, run: RunDir) -> dict:
 
 # A checkpoint's save triggers, which ModelCheckpoint takes one at a time: one the user sets
 # replaces the default's (every 2000 steps), instead of being refused beside it.
-SAVE_TRIGGERS = ("every_n_train_steps", "every_n_epochs", "train_time_interval")
-SAVE_TRIGGERS += ("save_every_n_samples",)
+SAVE_TRIGGERS = (
+    "every_n_train_steps",
+    "every_n_epochs",
+    "train_time_interval",
+    "save_every_n_samples",
+)
 
 
 def _merged_override(default: dict, override: dict) -> dict:
