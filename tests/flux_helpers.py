@@ -67,6 +67,18 @@ def diffusers_forward(theirs, x, t, context, pooled, guidance=None):
     )[0]
 
 
+def ours_and_diffusers(model, theirs, seed: int = 3):
+    """(our model's backbone output packed as FluxPipeline packs latents, diffusers'
+    transformer's output, their inputs (x, t, context, pooled)) on the same seeded inputs."""
+    torch.manual_seed(seed)
+    x, context, pooled = torch.randn(2, 16, 8, 12), torch.randn(2, 6, 48), torch.randn(2, 40)
+    t = torch.tensor([300.0, 800.0])
+    with torch.no_grad():
+        adapted = diffusers_forward(theirs, x, t, context, pooled)
+        mine = model.backbone(x, t, {"crossattn": context, "vector": pooled})
+    return FluxPipeline._pack_latents(mine, *x.shape), adapted, (x, t, context, pooled)
+
+
 RANK, ALPHA = 4, 8.0  # LoRA scale 2: a lost alpha shows
 
 

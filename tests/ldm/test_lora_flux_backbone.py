@@ -20,7 +20,7 @@ from ldm.util import instantiate_from_config
 pytest.importorskip("peft")
 pytest.importorskip("diffusers")
 from diffusers import FluxPipeline, FluxTransformer2DModel  # noqa: E402
-from flux_helpers import diffusers_forward, tiny_converter  # noqa: E402
+from flux_helpers import ours_and_diffusers, tiny_converter  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "sd3" / "tiny.yaml"
 FLUX = dict(depth=1, depth_single_blocks=1, hidden_size=48, num_heads=2, in_channels=16,
@@ -84,15 +84,8 @@ def test_diffusers_file_through_diffusers_loader_gives_our_output(model):
     theirs.load_lora_adapter(
         FluxPipeline.lora_state_dict(lora.diffusers_state_dict(model)), prefix="transformer"
     )
-    torch.manual_seed(3)
-    x, context, pooled = torch.randn(2, 16, 8, 12), torch.randn(2, 6, 48), torch.randn(2, 40)
-    t = torch.tensor([300.0, 800.0])
-    with torch.no_grad():
-        adapted = diffusers_forward(theirs, x, t, context, pooled)
-        mine = model.backbone(x, t, {"crossattn": context, "vector": pooled})
-    torch.testing.assert_close(
-        FluxPipeline._pack_latents(mine, *x.shape), adapted, rtol=1e-4, atol=1e-5
-    )
+    mine, adapted, _ = ours_and_diffusers(model, theirs)
+    torch.testing.assert_close(mine, adapted, rtol=1e-4, atol=1e-5)
 
     merged, plain = copy.deepcopy(model), copy.deepcopy(model)
     lora.merge_adapters(merged)

@@ -128,7 +128,7 @@ def test_a_flux_file_with_our_metadata_loads_in_diffusers_and_merges_back(tmp_pa
     from pathlib import Path
 
     from diffusers import FluxPipeline, FluxTransformer2DModel
-    from flux_helpers import diffusers_forward, tiny_converter
+    from flux_helpers import ours_and_diffusers, tiny_converter
     from safetensors.torch import save_file
 
     from ldm.util import instantiate_from_config
@@ -163,16 +163,9 @@ def test_a_flux_file_with_our_metadata_loads_in_diffusers_and_merges_back(tmp_pa
     )
     modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in state}
     assert peft_layers(theirs, "ours") == dict.fromkeys(modules, (4, 1.0))
-    torch.manual_seed(3)
-    x, context, pooled = torch.randn(2, 16, 8, 12), torch.randn(2, 6, 48), torch.randn(2, 40)
-    t = torch.tensor([300.0, 800.0])
-    with torch.no_grad():
-        adapted = diffusers_forward(theirs, x, t, context, pooled)
-        mine = model.backbone(x, t, {"crossattn": context, "vector": pooled})
-    assert (adapted - diffusers_forward_base(theirs, x, t, context, pooled)).abs().max() > 1e-3
-    torch.testing.assert_close(
-        FluxPipeline._pack_latents(mine, *x.shape), adapted, rtol=1e-4, atol=1e-5
-    )
+    mine, adapted, inputs = ours_and_diffusers(model, theirs)
+    assert (adapted - diffusers_forward_base(theirs, *inputs)).abs().max() > 1e-3
+    torch.testing.assert_close(mine, adapted, rtol=1e-4, atol=1e-5)
 
     merged, plain = copy.deepcopy(model), copy.deepcopy(model)
     lora.merge_adapters(merged)
