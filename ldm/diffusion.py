@@ -266,7 +266,8 @@ class LatentDiffusion(LatentModelContract, CompVisAPI, pl.LightningModule):
                 f"height and width must be multiples of {self.size_multiple} for this model, "
                 f"got {height}x{width}"
             )
-        largest = self.max_latent_side  # a backbone with a position table (MMDiT): a limit
+        # A backbone with a fixed position table (MMDiT) takes latents up to a side.
+        largest = getattr(self.backbone, "max_latent_side", None)
         if largest is not None and max(height, width) > largest * self.downscale:
             raise ValueError(
                 f"height and width must be at most {largest * self.downscale} for this model "
